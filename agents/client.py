@@ -1,0 +1,154 @@
+"""An `AsyncOpenAI` client for policy endpoints that guarantees what GRPO needs, with no change to rollouts.
+
+The rollout code calls ``client.chat.completions.create(model=policy, messages=...)`` as it would against
+any OpenAI endpoint. Underneath, an httpx transport:
+
+- adds ``logprobs: true`` and vLLM's ``return_token_ids: true`` to every chat request (unless the caller
+  set them), so every answer carries the sampled token ids and their logprobs;
+- adds a ``seed`` derived from the current rollout's identity when one is set with
+  :func:`rollout_context` (``seed_i = H(run, step, scenario, index, i)`` for the i-th call of the
+  rollout), so reruns sample the same tokens wherever the server runs;
+- copies the response-level ``prompt_token_ids`` (vLLM puts it there) and the served model name onto
+  every choice, so a bare ``Choice`` appended to a trajectory is self-contained;
+- reports each call (model, token counts, latency) to the rollout's observer, if any (tracing hooks in here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+
+@dataclass
+class CallRecord:
+    """One chat call as seen by the transport (no token ids or logprobs: tracing keeps payloads small)."""
+
+    model: str
+    request_messages: list[dict[str, Any]]
+    response_message: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    status: int
+
+
+@dataclass
+class RolloutContext:
+    """Identity of the rollout in progress: derives per-call seeds and receives call records."""
+
+    seed_material: str | None = None
+    observer: Callable[[CallRecord], None] | None = None
+    calls: int = 0
+    records: list[CallRecord] = field(default_factory=list)
+
+    def next_seed(self) -> int | None:
+        if self.seed_material is None:
+            return None
+        digest = hashlib.sha256(f"{self.seed_material}/{self.calls}".encode()).digest()
+        self.calls += 1
+        return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+_CURRENT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar("trajflow_rollout", default=None)
+
+
+def rollout_seed_material(run: str, step: int, scenario_id: str, index: int) -> str:
+    """The string all seeds of one rollout derive from: (run, step, scenario, index)."""
+    return f"{run}/{step}/{scenario_id}/{index}"
+
+
+@contextlib.contextmanager
+def rollout_context(
+    seed_material: str | None = None, observer: Callable[[CallRecord], None] | None = None
+) -> Iterator[RolloutContext]:
+    """Within this block (and tasks started from it), chat calls get derived seeds and are observed."""
+    ctx = RolloutContext(seed_material=seed_material, observer=observer)
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def _is_chat(request: httpx.Request) -> bool:
+    return request.method == "POST" and request.url.path.rstrip("/").endswith("/chat/completions")
+
+
+class PolicyTransport(httpx.AsyncBaseTransport):
+    """Rewrites chat requests and responses as described in the module docstring."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None):
+        self._inner = inner or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not _is_chat(request):
+            return await self._inner.handle_async_request(request)
+        ctx = _CURRENT.get()
+        body = json.loads(request.content or b"{}")
+        body.setdefault("logprobs", True)
+        body.setdefault("return_token_ids", True)
+        if ctx is not None and "seed" not in body:
+            seed = ctx.next_seed()
+            if seed is not None:
+                body["seed"] = seed
+        content = json.dumps(body).encode()
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
+        new_request = httpx.Request(request.method, request.url, headers=headers, content=content,
+                                    extensions=request.extensions)
+        started = time.perf_counter()
+        response = await self._inner.handle_async_request(new_request)
+        if body.get("stream") or "json" not in response.headers.get("content-type", ""):
+            return response
+        raw = await response.aread()
+        await response.aclose()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if response.status_code == 200 and isinstance(data, dict):
+            prompt_ids = data.get("prompt_token_ids")
+            for choice in data.get("choices") or []:
+                if prompt_ids is not None:
+                    choice.setdefault("prompt_token_ids", prompt_ids)
+                choice.setdefault("policy", data.get("model"))
+            raw = json.dumps(data).encode()
+        if ctx is not None:
+            usage = (data or {}).get("usage") or {} if isinstance(data, dict) else {}
+            choices = (data or {}).get("choices") or [] if isinstance(data, dict) else []
+            record = CallRecord(
+                model=str(body.get("model")),
+                request_messages=body.get("messages") or [],
+                response_message=(choices[0].get("message") if choices else None),
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                completion_tokens=int(usage.get("completion_tokens") or 0),
+                latency_s=time.perf_counter() - started,
+                status=response.status_code,
+            )
+            ctx.records.append(record)
+            if ctx.observer is not None:
+                ctx.observer(record)
+        headers = [(k, v) for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=raw, request=new_request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def policy_client(base_url: str, api_key: str | None = None, timeout: float = 600.0, max_retries: int = 2,
+                  max_connections: int = 1024) -> AsyncOpenAI:
+    """An AsyncOpenAI for a policy server (embedded or vLLM) with the transport above."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    http_client = httpx.AsyncClient(transport=PolicyTransport(httpx.AsyncHTTPTransport(limits=limits)),
+                                    timeout=timeout)
+    return AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", http_client=http_client,
+                       max_retries=max_retries, timeout=timeout)

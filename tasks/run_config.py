@@ -1,0 +1,171 @@
+"""RunConfig: everything one training run needs, as one pydantic model.
+
+The same model is the training flow's parameter (the Prefect UI renders it as a form), loads from YAML,
+and takes ``--set key=value`` overrides on the command line (dotted keys reach nested fields; values
+are parsed as YAML scalars, so ``--set steps=3`` is an int and ``--set judge=null`` is None).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agents.judge import JudgeConfig
+from backends.train_config import TrainerConfig
+from storage.names import validate_name
+
+
+class InferenceConfig(BaseModel):
+    """Where rollouts are served from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["embedded", "vllm", "url"] = Field(
+        default="embedded",
+        description="embedded: our transformers server in the flow's process (CPU default); vllm: launch `vllm serve` "
+        "(GPU); url: an already running server speaking the dialect",
+    )
+    url: str | None = Field(default=None, description="base URL (…/v1) when backend=url")
+    api_key_env: str = Field(default="TRAJFLOW_INFERENCE_API_KEY",
+                             description="env var holding the server's API key; never put the key itself in config")
+    device: str = Field(default="auto", description="device for the embedded server: auto (cuda if present), cpu, cuda")
+    host: str = Field(default="127.0.0.1", description="bind address of a server we start; loopback unless told")
+    port: int = Field(default=0, description="port of a server we start; 0 picks a free one")
+    max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
+    gpu_memory_utilization: float = Field(default=0.6, description="vLLM: share of GPU memory it may take")
+    max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
+    tool_call_parser: str = Field(default="hermes", description="vLLM: tool-call parser matching the chat template")
+    max_lora_rank: int = Field(default=16, description="vLLM: largest LoRA rank it must accept")
+    probe_tolerance: float = Field(
+        default=0.05,
+        description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
+        "smaller catches subtler stale adapters",
+    )
+
+
+class RolloutConfig(BaseModel):
+    """How rollouts are run inside the rollout task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int = Field(default=32, ge=1, description="rollouts in flight at once; higher fills the server's batches")
+    timeout_s: float = Field(default=300.0, gt=0, description="a rollout running longer is recorded as a failure")
+    max_failure_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="the task fails when more than this share of rollouts fail"
+    )
+
+
+class RetentionConfig(BaseModel):
+    """Which checkpoints survive; trajectories and metrics are always kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_last: int = Field(default=3, ge=1, description="newest committed steps whose adapters are kept")
+    best_metric: str | None = Field(default="val/reward", description="also keep the best step by this metric")
+    mode: Literal["max", "min"] = Field(default="max", description="whether larger or smaller best_metric is better")
+
+
+class TrainingPlacement(BaseModel):
+    """Where the GRPO update runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["local", "deployment"] = Field(
+        default="local",
+        description="local: in the flow's process on its device; deployment: run flows/train_step.py as a Prefect "
+        "deployment on a GPU work pool (inputs and outputs through storage)",
+    )
+    deployment: str = Field(default="train-step/gpu", description="<flow>/<deployment> name used when mode=deployment")
+    device: str = Field(default="auto", description="training device for local mode: auto, cpu, cuda, cuda:1")
+    timeout_s: float = Field(default=3600.0, description="how long to wait for a remote training run")
+
+
+class RunConfig(BaseModel):
+    """One training run: agent, model, serving, training, storage and schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project: str = Field(default="trajflow", description="groups runs in storage: <storage>/<project>/<run>")
+    run: str = Field(default="default", description="run name; also the served policy name <run>@<step>")
+    agent: str = Field(default="arithmetic", description="agent name from agents.registry, or 'module:attr'")
+    agent_options: dict[str, Any] = Field(default_factory=dict, description="keyword options for the agent")
+    base_model: str = Field(default="smollm2-135m", description="smollm2-135m, tiny-random or a local HF folder")
+    storage: str = Field(default="runs", description="storage root: a local folder, file:// or s3:// URL")
+    seed: int = Field(default=0, description="seeds scenario order, LoRA init and every rollout's sampling")
+    steps: int = Field(default=5, ge=0, description="train until this many steps are committed")
+    group_size: int = Field(default=4, ge=1, description="rollouts per scenario (the GRPO group); larger = better baseline")
+    groups_per_step: int = Field(default=4, ge=1, description="scenarios per step; more = less noisy gradient, slower step")
+    eval_every: int = Field(default=0, ge=0, description="evaluate on validation scenarios every k steps; 0 = never")
+    eval_scenarios: int = Field(default=16, ge=1, description="validation scenarios per evaluation")
+    eval_at_start: bool = Field(default=False, description="also evaluate the base policy before the first step")
+    max_tokens: int | None = Field(default=None, description="default max_tokens per completion when the agent sets none")
+    inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
+    rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="GRPO trainer settings")
+    judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
+    reward_mode: Literal["replace", "add", "weighted"] = Field(
+        default="replace", description="how a judge score combines with the agent's own reward"
+    )
+    judge_weight: float = Field(default=1.0, description="weight of the judge score in add/weighted modes")
+    retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
+    training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
+
+    @field_validator("project", "run")
+    @classmethod
+    def _safe_names(cls, v: str, info) -> str:
+        return validate_name(info.field_name, v)
+
+    @property
+    def policy_name(self) -> str:
+        return self.run
+
+    def policy(self, step: int) -> str:
+        """The served name of the policy after `step` updates."""
+        return f"{self.run}@{step}"
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings (values parsed as YAML) to a config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        _set_dotted(data, key, yaml.safe_load(raw) if raw.strip() else "")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML RunConfig (or defaults when path is None) and apply overrides; errors name the file."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of RunConfig fields, got {type(loaded).__name__}")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    return RunConfig.model_validate(data)
