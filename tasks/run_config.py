@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.judge import JudgeConfig
+from agents.rewards import RewardConfig
 from backends.train_config import TrainerConfig
 from storage.names import validate_name
 
@@ -106,10 +107,8 @@ class RunConfig(BaseModel):
     rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="GRPO trainer settings")
     judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
-    reward_mode: Literal["replace", "add", "weighted"] = Field(
-        default="replace", description="how a judge score combines with the agent's own reward"
-    )
-    judge_weight: float = Field(default=1.0, description="weight of the judge score in add/weighted modes")
+    rewards: RewardConfig = Field(default_factory=RewardConfig,
+                                  description="reward component weights and how a judge score combines with them")
     retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
 

@@ -1,0 +1,115 @@
+"""The training flow: `trajflow train CONFIG` or `python -m flows.train CONFIG [--set k=v ...]`.
+
+Each step k (1-based; step 0 is the seeded initial adapter) is a chain of cached tasks:
+sample scenarios -> rollouts with policy <run>@<k-1> -> score -> GRPO update -> publish <run>@<k>
+(-> evaluate every `eval_every` steps) -> commit (manifest written last) -> retention -> artifacts.
+
+Resume: the flow starts from the last committed step. Within an uncommitted step, every stage whose
+result was persisted (its Prefect cache record and its files live in the run's storage) is reused,
+and the rollout task re-runs only the groups that were not yet stored. The scenario cursor, LoRA init
+and every sampling seed derive from (seed, run, step), and the optimizer and RNG states come from the
+previous checkpoint, so where the run was killed does not change its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from prefect import flow
+
+from tasks.evaluation import evaluate_policy
+from tasks.publish import publish_policy
+from tasks.reporting import format_step_line, publish_run_artifacts
+from tasks.result_storage import result_storage_for
+from tasks.rollouts import run_rollouts
+from tasks.run_config import RunConfig, load_config
+from tasks.runtime import close_runtime, get_runtime
+from tasks.scenarios import sample_scenarios
+from tasks.scoring import score_groups
+from tasks.training import initialize_policy_fn, train_policy
+
+log = logging.getLogger("trajflow")
+
+# Fields that define what a run *is*; changing them under an existing run name would mix two experiments.
+IDENTITY_FIELDS = ("agent", "agent_options", "base_model", "seed", "group_size", "groups_per_step", "trainer")
+
+
+def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
+    """Refuse to continue a run whose identity-defining settings changed."""
+    if not stored:
+        return
+    current = config.model_dump(mode="json")
+    changed = [f for f in IDENTITY_FIELDS if f in stored and stored[f] != current.get(f)]
+    if changed:
+        raise ValueError(
+            f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "
+            "use a new run name (--set run=...) or the original settings")
+
+
+def _evaluate_due(config: RunConfig, step: int) -> bool:
+    if step == 0:
+        return config.eval_at_start
+    return config.eval_every > 0 and (step % config.eval_every == 0 or step == config.steps)
+
+
+@flow(name="train", log_prints=True)
+def train(config: RunConfig) -> dict[str, Any]:
+    """Train `config.agent` until `config.steps` steps are committed; returns the last step's metrics."""
+    rt = get_runtime(config)
+    store = rt.store
+    check_run_identity(store.read_run_config(), config)
+    store.write_run_config(config.model_dump(mode="json"))
+    storage = result_storage_for(config)
+
+    def staged(t):
+        return t.with_options(result_storage=storage)
+
+    try:
+        committed = store.committed_steps()
+        last = committed[-1] if committed else None
+        metrics: dict[str, Any] = {}
+        if last is None:
+            training = initialize_policy_fn(config)
+            publish = staged(publish_policy)(config, 0, training)
+            metrics = dict(publish["metrics"])
+            if _evaluate_due(config, 0):
+                metrics.update(staged(evaluate_policy)(config, 0))
+            store.commit(0, metrics, extra={"policy": config.policy(0)})
+            print(format_step_line(0, metrics))
+            last = 0
+        else:
+            training = store.get_json(last, "training.json") if store.exists(last, "training.json") else None
+            staged(publish_policy)(config, last, training)
+            print(f"resuming {config.project}/{config.run} after committed step {last}")
+        for step in range(last + 1, config.steps + 1):
+            scenarios = staged(sample_scenarios)(config, step)
+            rollouts = staged(run_rollouts)(config, step, scenarios)
+            scored = staged(score_groups)(config, step, scenarios, rollouts)
+            training = staged(train_policy)(config, step)
+            publish = staged(publish_policy)(config, step, training)
+            metrics = {**scored["metrics"], **training["metrics"], **publish["metrics"],
+                       "rollouts/reused_groups": float(rollouts["reused_groups"])}
+            if _evaluate_due(config, step):
+                metrics.update(staged(evaluate_policy)(config, step))
+            store.commit(step, metrics, extra={"policy": config.policy(step)})
+            pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
+                                           config.retention.mode)
+            if pruned:
+                log.info("retention pruned checkpoints of steps %s", pruned)
+            publish_run_artifacts(store, config.run)
+            print(format_step_line(step, metrics))
+        return {"step": store.latest_step(), "metrics": metrics}
+    finally:
+        close_runtime(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flows.commands import build_train_parser, run_train
+
+    return run_train(build_train_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The cache-key rule, in one place: ``<run>/step-<NNNNN>/<stage>-v<N>``.
+
+Keys are readable, identical in every process and on every machine, and never contain the Prefect
+run id, so a new flow run of the same config (after a kill, on a fresh Prefect home) finds the results
+that the killed run persisted. Bump a stage's version when its output format or semantics change.
+"""
+
+from __future__ import annotations
+
+STAGE_VERSIONS: dict[str, int] = {
+    "scenarios": 1,
+    "rollouts": 1,
+    "scoring": 1,
+    "training": 1,
+    "publish": 1,
+    "evaluation": 1,
+}
+
+
+def stage_key(run: str, step: int, stage: str) -> str:
+    """The cache key of one stage of one step."""
+    return f"{run}/step-{step:05d}/{stage}-v{STAGE_VERSIONS[stage]}"
+
+
+def cache_key_fn(stage: str):
+    """A Prefect ``cache_key_fn`` reading ``config`` (a RunConfig) and ``step`` from the task's parameters."""
+
+    def key(context, parameters) -> str:
+        return stage_key(parameters["config"].run, int(parameters["step"]), stage)
+
+    key.__name__ = f"{stage}_cache_key"
+    return key

@@ -1,0 +1,37 @@
+"""Evaluation: the agent's own reward of one policy on the run's fixed validation scenarios.
+
+One rollout per validation scenario (seeded like training rollouts, so an evaluation is
+reproducible), stored under ``eval/`` in the step folder and summarised as ``val/*`` metrics. The
+judge is not used: validation compares policies on the agent's verifiable reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prefect import task
+
+from .cache_keys import cache_key_fn
+from .retry_policy import retry_condition
+from .rollouts import run_groups
+from .run_config import RunConfig
+from .scenarios import val_scenarios
+from .scoring import score_groups_fn
+
+EVAL_SCORED = "eval.parquet"
+
+
+def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) -> dict[str, float]:
+    """Evaluate `policy` (default: the run's policy after `step` updates); stored in step `step`'s folder."""
+    policy = policy or config.policy(step)
+    scenarios = val_scenarios(config)
+    rollouts = asyncio.run(run_groups(config, step, scenarios, policy, "eval", 1, f"eval step {step} ({policy})"))
+    scored = score_groups_fn(config, step, scenarios, rollouts, out=EVAL_SCORED, prefix="val", use_judge=False)
+    return scored["metrics"]
+
+
+@task(name="evaluate", cache_key_fn=cache_key_fn("evaluation"), retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=retry_condition, persist_result=True)
+def evaluate_policy(config: RunConfig, step: int) -> dict[str, Any]:
+    return evaluate_policy_fn(config, step)

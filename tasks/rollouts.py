@@ -1,0 +1,162 @@
+"""Rollouts: every scenario's group, run concurrently with asyncio inside one task.
+
+- One Prefect task per step (not per LLM call): rollouts are asyncio coroutines bounded by a
+  semaphore of ``rollouts.concurrency``, each with a ``rollouts.timeout_s`` deadline.
+- A rollout that raises or times out is recorded as an exception in its group, never a crash.
+- Each group is written to storage (``groups/<NNNN>.parquet``, atomically) the moment it completes;
+  a rerun of the step reads finished groups back and only runs the missing ones, so a kill loses at
+  most the groups in flight.
+- Sampling is reproducible: every call's seed derives from (run, step, scenario, index).
+- Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors;
+  when every failure is a connection-type error, the failure is transient and retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from prefect import task
+
+from agents.client import rollout_context, rollout_seed_material
+from agents.scenario import Scenario
+from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
+
+from .cache_keys import cache_key_fn
+from .progress import Progress
+from .retry_policy import TransientError, retry_condition
+from .run_config import RunConfig
+from .runtime import Runtime, get_runtime
+
+log = logging.getLogger("trajflow")
+
+
+class RolloutFailures(RuntimeError):
+    """Too many rollouts failed; the message lists the first errors."""
+
+
+class RolloutTimeout(TimeoutError):
+    """One rollout ran past its deadline."""
+
+
+def group_path(prefix: str, index: int) -> str:
+    return f"{prefix}/{index:04d}.parquet"
+
+
+async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, step: int, index: int,
+                       sem: asyncio.Semaphore, tracer) -> Trajectory:
+    cfg = rt.config
+    material = rollout_seed_material(cfg.run, step, scenario.id, index)
+    async with sem:
+        with rollout_context(material, observer=tracer.observer(cfg.run, step, scenario.id, index) if tracer else None):
+            try:
+                traj = await asyncio.wait_for(rt.agent.rollout(client, policy, scenario), cfg.rollouts.timeout_s)
+            except asyncio.TimeoutError:
+                raise RolloutTimeout(f"rollout {index} of scenario {scenario.id!r} exceeded "
+                                     f"{cfg.rollouts.timeout_s:g}s") from None
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"{type(rt.agent).__name__}.rollout returned {type(traj).__name__}, expected Trajectory")
+    traj.metadata.update({"scenario_id": scenario.id, "index": index, "step": step, "policy": policy})
+    return traj
+
+
+async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step: int, group_size: int,
+                     sem: asyncio.Semaphore, tracer) -> TrajectoryGroup:
+    results = await asyncio.gather(
+        *(_one_rollout(rt, client, policy, scenario, step, i, sem, tracer) for i in range(group_size)),
+        return_exceptions=True,
+    )
+    group = TrajectoryGroup(scenario_id=scenario.id, metadata={"step": step, "policy": policy})
+    for result in results:  # index order, not completion order: reruns store identical groups
+        if isinstance(result, BaseException):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            group.exceptions.append(RecordedException.from_exception(result))
+        else:
+            group.trajectories.append(result)
+    return group
+
+
+async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
+                     group_size: int, label: str) -> dict[str, Any]:
+    """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed."""
+    rt = get_runtime(config)
+    store = rt.store
+    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(step, group_path(prefix, i))]
+    reused = len(scenarios) - len(todo)
+    if reused:
+        log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
+    progress = await Progress(label, total=len(todo) * group_size).start()
+    sem = asyncio.Semaphore(config.rollouts.concurrency)
+    tracer = _tracer()
+    client = rt.client()
+    rewards: list[float] = []
+    failures: list[RecordedException] = []
+
+    async def group_task(i: int, scenario: Scenario) -> None:
+        group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
+        await asyncio.to_thread(store.write_groups, step, group_path(prefix, i), [group])
+        rewards.extend(group.rewards)
+        failures.extend(group.exceptions)
+        mean = sum(rewards) / len(rewards) if rewards else float("nan")
+        await progress.advance(group_size, extra=f"reward={mean:.3f} failed={len(failures)}")
+
+    try:
+        await asyncio.gather(*(group_task(i, s) for i, s in todo))
+    finally:
+        await client.close()
+        if tracer:
+            tracer.flush()
+    total = len(todo) * group_size
+    if total and len(failures) > config.rollouts.max_failure_fraction * total:
+        first = "\n".join(f"- {e.type}: {e.message}" for e in failures[:5])
+        message = (f"{len(failures)} of {total} rollouts failed (limit {config.rollouts.max_failure_fraction:.0%} "
+                   f"of {total}); first errors:\n{first}")
+        transient_types = {"APIConnectionError", "APITimeoutError", "ConnectError", "ConnectionError",
+                           "InternalServerError"}
+        if all(e.type in transient_types for e in failures):
+            raise TransientError(message)
+        raise RolloutFailures(message)
+    return {
+        "paths": [group_path(prefix, i) for i in range(len(scenarios))],
+        "ran_groups": len(todo),
+        "reused_groups": reused,
+        "failed_rollouts": len(failures),
+        "failure_types": dict(Counter(e.type for e in failures)),
+    }
+
+
+def _tracer():
+    """The Langfuse tracer when keys are set, else None (zero overhead)."""
+    try:
+        from .tracing import get_tracer
+    except ImportError:
+        return None
+    tracer = get_tracer()
+    return tracer if tracer is not None and tracer.enabled else None
+
+
+def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[TrajectoryGroup]:
+    store = get_runtime(config).store
+    groups: list[TrajectoryGroup] = []
+    for path in paths:
+        groups.extend(store.read_groups(step, path))
+    return groups
+
+
+def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
+    """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
+    policy = config.policy(step - 1)
+    return asyncio.run(run_groups(config, step, scenarios, policy, "groups", config.group_size,
+                                  f"rollouts step {step} ({policy})"))
+
+
+@task(name="rollouts", cache_key_fn=cache_key_fn("rollouts"), retries=3, retry_delay_seconds=[2, 10, 30],
+      retry_condition_fn=retry_condition, persist_result=True)
+def run_rollouts(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
+    return run_rollouts_fn(config, step, scenarios)
+
+
+__all__ = ["run_rollouts", "run_rollouts_fn", "run_groups", "read_groups", "RolloutFailures"]

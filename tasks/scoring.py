@@ -1,0 +1,127 @@
+"""Scoring: the agent's own reward for every trajectory, then optionally the LLM judge per group.
+
+The reward is recomputed from the stored trajectory with ``agent.reward(scenario, trajectory)`` (a
+float or named components, combined by ``config.rewards``). A reward that raises or is not finite
+marks that trajectory failed (``error`` set, metric ``reward_error``): it is kept for inspection but
+never trained on. With a judge configured, each group is ranked by it (cached by content hash in the
+run's storage, so a resumed step costs no judge call) and combined per ``config.rewards.mode``.
+Scored groups are written to ``scored.parquet``; the task returns only paths and summary metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any
+
+from prefect import task
+
+from agents.rewards import set_reward
+from agents.scenario import Scenario
+from agents.trajectory import TrajectoryGroup
+
+from .cache_keys import cache_key_fn
+from .retry_policy import retry_condition
+from .rollouts import read_groups
+from .run_config import RunConfig
+from .runtime import Runtime, get_runtime
+
+log = logging.getLogger("trajflow")
+
+SCORED = "scored.parquet"
+
+
+class StoreJudgeCache:
+    """Judge cache in the run's storage: ``judge-cache/<hash>.json`` at run level."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def get(self, key: str) -> dict | None:
+        path = f"judge-cache/{key}.json"
+        return self.store.get_json(None, path) if self.store.exists(None, path) else None
+
+    def put(self, key: str, value: dict) -> None:
+        self.store.put_json(None, f"judge-cache/{key}.json", value)
+
+
+def apply_agent_reward(rt: Runtime, scenario: Scenario | None, group: TrajectoryGroup) -> None:
+    """Set every healthy trajectory's reward from the agent; failures become recorded errors."""
+    for traj in group.trajectories:
+        if traj.error:
+            continue
+        try:
+            own = rt.agent.reward(scenario, traj)
+            set_reward(traj, own, rt.config.rewards)
+        except Exception as exc:  # noqa: BLE001 - a bad reward is data about this trajectory
+            traj.error = f"reward failed: {type(exc).__name__}: {exc}"
+            traj.metrics["reward_error"] = 1
+            traj.reward = 0.0
+
+
+async def _judge_all(rt: Runtime, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    from agents.judge import judge_group
+
+    cache = StoreJudgeCache(rt.store)
+    description = getattr(rt.agent, "system_prompt", None) or None
+    judged = []
+    for group in groups:
+        healthy = [t for t in group.trajectories if not t.error]
+        if len(healthy) < 2:
+            judged.append(group)
+            continue
+        judged.append(await judge_group(group, rt.config.judge, cache=cache, task_description=description,
+                                        mode=rt.config.rewards.mode, judge_weight=rt.config.rewards.judge_weight))
+    return judged
+
+
+def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str, float]:
+    """Mean/std reward, failure counts and mean of every per-trajectory numeric metric."""
+    rewards = [t.reward for g in groups for t in g.trajectories if not t.error]
+    n = len(rewards)
+    mean = sum(rewards) / n if n else 0.0
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else 0.0
+    out: dict[str, float] = {
+        f"{prefix}/reward": mean,
+        f"{prefix}/reward_std": std,
+        f"{prefix}/trajectories": float(n),
+        f"{prefix}/failed": float(sum(len(g.exceptions) for g in groups)
+                                  + sum(1 for g in groups for t in g.trajectories if t.error)),
+    }
+    sums: dict[str, list[float]] = {}
+    for g in groups:
+        for t in g.trajectories:
+            if t.error:
+                continue
+            for k, v in t.metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                    sums.setdefault(k, []).append(float(v))
+    for k, vs in sums.items():
+        out[f"{prefix}/{k}"] = sum(vs) / len(vs)
+    return out
+
+
+def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rollouts: dict[str, Any],
+                    out: str = SCORED, prefix: str = "train",
+                    use_judge: bool = True) -> dict[str, Any]:
+    """Score the stored groups of a step and write them to `out`; returns summary metrics."""
+    rt = get_runtime(config)
+    by_id = {s.id: s for s in scenarios}
+    groups = read_groups(config, step, rollouts["paths"])
+    for group in groups:
+        apply_agent_reward(rt, by_id.get(group.scenario_id), group)
+    if use_judge and config.judge is not None:
+        groups = asyncio.run(_judge_all(rt, groups))
+    rt.store.write_groups(step, out, groups)
+    metrics = summarize(groups, prefix)
+    log.info("step %d %s: reward %.3f ± %.3f over %d trajectories (%d failed)", step, prefix,
+             metrics[f"{prefix}/reward"], metrics[f"{prefix}/reward_std"],
+             int(metrics[f"{prefix}/trajectories"]), int(metrics[f"{prefix}/failed"]))
+    return {"path": out, "metrics": metrics}
+
+
+@task(name="score", cache_key_fn=cache_key_fn("scoring"), retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=retry_condition, persist_result=True)
+def score_groups(config: RunConfig, step: int, scenarios: list[Scenario], rollouts: dict[str, Any]) -> dict[str, Any]:
+    return score_groups_fn(config, step, scenarios, rollouts)
