@@ -1,0 +1,109 @@
+"""The evaluation flow: `trajflow eval CONFIG --policy NAME ...` compares policies on the validation split.
+
+A policy is ``base`` (the base model), ``<run>@<step>`` (an adapter of this run, loaded from storage),
+``@<step>`` (shorthand for this run), or ``url=<base_url>,model=<name>`` (any OpenAI-compatible model).
+Results: a table and a bar chart as Prefect artifacts, and ``evaluations/<timestamp>.json`` + ``.png`` in the run's storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from typing import Any
+
+from prefect import flow
+
+from tasks.publish import local_adapter
+from tasks.rollouts import run_groups
+from tasks.run_config import RunConfig
+from tasks.runtime import close_runtime, get_runtime
+from tasks.scenarios import val_scenarios
+from tasks.scoring import score_groups_fn
+
+def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
+    """Turn a --policy argument into {label, kind, model, step?, url?}."""
+    if spec == "base":
+        return {"label": "base", "kind": "base"}
+    if spec.startswith("url="):
+        parts = dict(p.split("=", 1) for p in spec.split(",") if "=" in p)
+        if "model" not in parts:
+            raise ValueError(f"--policy {spec!r}: a url policy needs model=<name>")
+        return {"label": parts["model"], "kind": "url", "url": parts["url"], "model": parts["model"]}
+    name, sep, step = spec.rpartition("@")
+    if not sep or not step.isdigit():
+        raise ValueError(f"--policy {spec!r}: expected base, <run>@<step>, @<step> or url=...,model=...")
+    if name and name != config.run:
+        raise ValueError(f"--policy {spec!r}: only adapters of run {config.run!r} can be loaded by this config")
+    return {"label": config.policy(int(step)), "kind": "adapter", "step": int(step)}
+
+
+def _bar_chart(results: list[dict[str, Any]]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(results)), 3.5), dpi=100)
+    ax.bar([r["policy"] for r in results], [r["val/reward"] for r in results], color="#4a7fb5")
+    ax.set_ylabel("mean validation reward")
+    ax.set_title("evaluation")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -> dict[str, Any]:
+    rt = get_runtime(config)
+    model = policy.get("model")
+    if policy["kind"] == "base":
+        served = await rt.inference_client().models()
+        model = next(m for m in served if "@" not in m)
+    elif policy["kind"] == "adapter":
+        adapter = local_adapter(rt, policy["step"], None)
+        await rt.inference_client().load_adapter(policy["label"], str(adapter))
+        model = policy["label"]
+    scenarios = val_scenarios(config)
+    area = f"evaluations/{stamp}/{policy['label'].replace('@', '-').replace('/', '_')}"
+    rollouts = await run_groups(config, None, scenarios, model, area, 1, f"eval {policy['label']}")
+    scored = await asyncio.to_thread(score_groups_fn, config, None, scenarios, rollouts,
+                                     out=f"{area}/scored.parquet", prefix="val", use_judge=False)
+    return {"policy": policy["label"], **scored["metrics"]}
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
+    """Evaluate each policy on the first `eval_scenarios` validation scenarios; returns one row per policy."""
+    parsed = [parse_policy(p, config) for p in policies]
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    results = []
+    try:
+        for policy in parsed:
+            if policy["kind"] == "url":
+                cfg = config.model_copy(update={"inference": config.inference.model_copy(
+                    update={"backend": "url", "url": policy["url"]})})
+                results.append(asyncio.run(_evaluate_one(cfg, policy, stamp)))
+                close_runtime(cfg)
+            else:
+                results.append(asyncio.run(_evaluate_one(config, policy, stamp)))
+            print(f"{results[-1]['policy']}: val/reward={results[-1]['val/reward']:.4f}")
+        store = get_runtime(config).store
+        store.put_json(None, f"evaluations/{stamp}.json", results)
+        png = _bar_chart(results)
+        store.put_bytes(None, f"evaluations/{stamp}.png", png)
+        try:
+            from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+            create_table_artifact([{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
+                                   for r in results], description="validation reward per policy")
+            create_markdown_artifact(f"![evaluation](data:image/png;base64,{base64.b64encode(png).decode()})",
+                                     description="validation reward per policy")
+        except Exception:  # noqa: BLE001 - artifacts are a view only
+            pass
+        return results
+    finally:
+        close_runtime(config)
