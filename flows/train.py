@@ -19,6 +19,7 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
 from tasks.reporting import format_step_line, publish_run_artifacts
@@ -93,6 +94,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                        "rollouts/reused_groups": float(rollouts["reused_groups"])}
             if _evaluate_due(config, step):
                 metrics.update(staged(evaluate_policy)(config, step))
+            crash_point("before-commit", step)
             store.commit(step, metrics, extra={"policy": config.policy(step)})
             pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
                                            config.retention.mode)

@@ -31,6 +31,7 @@ from .runtime import Runtime, get_runtime
 log = logging.getLogger("trajflow")
 
 PROBE_MESSAGES = [{"role": "user", "content": "Say something."}]
+PROBE_USER = "trajflow-publish-probe"  # marks probe requests in server logs
 
 
 class StaleAdapterError(RuntimeError):
@@ -83,7 +84,7 @@ def _probe_messages(rt: Runtime, step: int) -> list[dict[str, Any]]:
 
 async def _sample(client, model: str, messages, seed: int) -> tuple[list[int], list[int], list[float]]:
     resp = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1.0,
-                                                seed=seed, logprobs=True)
+                                                seed=seed, logprobs=True, user=PROBE_USER)
     choice = resp.choices[0]
     extra = choice.model_extra or {}
     prompt_ids = list(extra.get("prompt_token_ids") or (resp.model_extra or {}).get("prompt_token_ids") or [])

@@ -25,6 +25,7 @@ from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 
 from .cache_keys import cache_key_fn
+from .crash_points import crash_point
 from .progress import Progress
 from .retry_policy import TransientError, retry_condition
 from .run_config import RunConfig
@@ -98,6 +99,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
         await asyncio.to_thread(store.write_groups, step, group_path(prefix, i), [group])
+        crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
         mean = sum(rewards) / len(rewards) if rewards else float("nan")

@@ -17,6 +17,7 @@ from typing import Any
 from prefect import task
 
 from .cache_keys import cache_key_fn
+from .crash_points import crash_point
 from .retry_policy import retry_condition
 from .run_config import RunConfig
 from .runtime import get_runtime
@@ -48,6 +49,7 @@ def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     groups = rt.store.read_groups(step, SCORED)
     trainer = rt.trainer_at(step - 1)
     metrics = trainer.train_step(groups)
+    crash_point("training", step)
     with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
         trainer.save_checkpoint(tmp)
         hashes = rt.store.upload_folder(step, "adapter", Path(tmp) / "adapter")

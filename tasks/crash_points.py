@@ -1,0 +1,23 @@
+"""Named crash points for resume tests: ``TRAJFLOW_CRASH_AT=<point>[:<step>]`` SIGKILLs this process there.
+
+This is how the resume tests kill the flow at exact moments (mid-rollouts, mid-training, between
+training and the commit) without timing races. Unset (always, in production) it costs one dict
+lookup. Points: ``rollouts-group`` (after the first group of a step is stored), ``training``
+(after the update, before its checkpoint is uploaded), ``before-commit`` (after publish, before
+the step's manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def crash_point(point: str, step: int | None = None) -> None:
+    """SIGKILL the current process if TRAJFLOW_CRASH_AT names this point (and step, if given)."""
+    target = os.environ.get("TRAJFLOW_CRASH_AT")
+    if not target:
+        return
+    name, _, at_step = target.partition(":")
+    if name == point and (not at_step or step is None or int(at_step) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
