@@ -19,6 +19,8 @@ from typing import Any
 
 from prefect import flow
 
+from backends.policy_store import TRAINING_RESULT
+
 from tasks.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
@@ -81,7 +83,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             print(format_step_line(0, metrics))
             last = 0
         else:
-            training = store.get_json(last, "training.json") if store.exists(last, "training.json") else None
+            training = store.get_json(last, TRAINING_RESULT) if store.exists(last, TRAINING_RESULT) else None
             staged(publish_policy)(config, last, training)
             print(f"resuming {config.project}/{config.run} after committed step {last}")
         for step in range(last + 1, config.steps + 1):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
-from pathlib import Path
 
 from agents.client import policy_client
 from agents.registry import get_agent
+from backends import policy_store
 from storage.store import RunStore
 
 from .run_config import RunConfig
@@ -100,10 +99,7 @@ class Runtime:
                                             device=resolve_device(self.config.training.device))
                 self._trainer_step = None
             if self._trainer_step != step:
-                with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
-                    self.store.download_folder(step, "adapter", Path(tmp) / "adapter")
-                    self.store.download_folder(step, "trainer", Path(tmp) / "trainer")
-                    self._trainer.load_checkpoint(tmp)
+                policy_store.load_checkpoint(self.store, step, self._trainer)
                 self._trainer_step = step
             return self._trainer
 

@@ -20,6 +20,7 @@ from prefect import task
 from agents.rewards import set_reward
 from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
+from backends import policy_store
 
 from .cache_keys import cache_key_fn
 from .retry_policy import retry_condition
@@ -29,7 +30,7 @@ from .runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
 
-SCORED = "scored.parquet"
+SCORED = policy_store.SCORED
 
 
 class StoreJudgeCache:
