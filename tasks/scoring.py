@@ -73,7 +73,7 @@ async def _judge_all(rt: Runtime, groups: list[TrajectoryGroup]) -> list[Traject
             judged.append(group)
             continue
         judged.append(await judge_group(group, rt.config.judge, cache=cache, task_description=description,
-                                        mode=rt.config.rewards.mode, judge_weight=rt.config.rewards.judge_weight))
+                                        rewards=rt.config.rewards))
     return judged
 
 

@@ -1,0 +1,112 @@
+"""ART's script API: `Model`, `TrainableModel`, `TrainConfig`; training goes through a backend.
+
+``TrainableModel(name, project, base_model)`` + ``await model.register(backend)`` +
+``model.openai_client()`` + ``await model.train(groups, config=TrainConfig(...))`` is the loop of
+ART's cheat sheet. The model holds no weights and imports no torch: the backend (``LocalBackend`` in
+this process, ``RemoteBackend`` over HTTP) owns the server and the trainer, and stores steps in the
+same layout as the Prefect flow, so a run can move between a script and ``flows/train.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from openai import AsyncOpenAI
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from .trajectory import TrajectoryGroup
+
+
+class TrainConfig(BaseModel):
+    """Per-step training options (ART's ``TrainConfig``); unset fields keep the model's trainer config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | None = Field(default=None, gt=0, description="learning rate of this step's update")
+    loss: Literal["cispo", "ppo", "gspo"] | None = Field(default=None, description="policy loss for this step")
+    scale_rewards: bool | None = Field(default=None, description="divide advantages by the group reward std")
+    kl_coef: float | None = Field(default=None, ge=0, description="KL-shaped advantages against the base model")
+
+
+class TrainResult(BaseModel):
+    step: int = Field(description="the step committed by this update")
+    metrics: dict[str, float] = Field(default_factory=dict, description="trainer and reward metrics of the step")
+
+
+class Backend(Protocol):
+    """What a model needs from a backend; LocalBackend and RemoteBackend implement it."""
+
+    async def register(self, model: Model) -> None: ...
+    async def get_step(self, model: TrainableModel) -> int: ...
+    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult: ...
+    async def log(self, model: Model, groups: list[TrajectoryGroup], split: str) -> dict[str, float]: ...
+    async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str) -> list[int]: ...
+
+
+class Model(BaseModel):
+    """A prompted (non-trainable) model behind an OpenAI-compatible URL: baselines and judges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="model name; for a TrainableModel also the run name and served policy name")
+    project: str = Field(default="trajflow", description="project the run belongs to in storage")
+    inference_base_url: str | None = Field(default=None, description="OpenAI-compatible base URL (…/v1)")
+    inference_api_key: str | None = Field(default=None, repr=False, exclude=True,
+                                          description="API key for the endpoint (never stored)")
+    inference_model_name: str | None = Field(default=None, description="model id to send; defaults to name")
+    config: dict[str, Any] = Field(default_factory=dict, description="free-form settings recorded with the run")
+
+    _backend: Backend | None = PrivateAttr(default=None)
+    _client: AsyncOpenAI | None = PrivateAttr(default=None)
+
+    async def register(self, backend: Backend) -> None:
+        """Attach to a backend (it fills in the inference URL and key)."""
+        self._backend = backend
+        self._client = None
+        await backend.register(self)
+
+    def openai_client(self) -> AsyncOpenAI:
+        """An AsyncOpenAI for this model's endpoint; requests always carry token ids and logprobs."""
+        if self.inference_base_url is None:
+            raise RuntimeError(f"model {self.name!r} has no inference URL: register it with a backend first, "
+                               "or set inference_base_url")
+        if self._client is None:
+            from .client import policy_client
+
+            self._client = policy_client(self.inference_base_url, api_key=self.inference_api_key)
+        return self._client
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The model id to request: the latest policy, or a pinned ``<name>@<step>``."""
+        if step is not None:
+            return f"{self.name}@{step}"
+        return self.inference_model_name or self.name
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
+        return self._backend
+
+    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
+        """Store these groups' metrics (e.g. validation rewards) with the current step."""
+        return await self._require_backend().log(self, list(groups), split)
+
+
+class TrainableModel(Model):
+    """A model trained with GRPO: base weights + a LoRA adapter per step."""
+
+    base_model: str = Field(description="smollm2-135m, tiny-random or a local HF folder")
+    trainer: dict[str, Any] = Field(default_factory=dict,
+                                    description="trainer settings (backends.train_config.TrainerConfig fields)")
+
+    async def get_step(self) -> int:
+        """The last committed step (0 before any training)."""
+        return await self._require_backend().get_step(self)
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+        """One GRPO step on these groups: stores them, trains, checkpoints, commits and serves the new step."""
+        return await self._require_backend().train(self, list(groups), config or TrainConfig())
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Prune adapters except the newest step and the best by `best_checkpoint_metric`."""
+        return await self._require_backend().delete_checkpoints(self, best_checkpoint_metric)
