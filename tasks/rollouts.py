@@ -29,6 +29,7 @@ from .crash_points import crash_point
 from .progress import Progress
 from .retry_policy import TransientError, retry_condition
 from .run_config import RunConfig
+from .tracing import get_tracer
 from .runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
@@ -51,14 +52,25 @@ async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, ste
     cfg = rt.config
     material = rollout_seed_material(cfg.run, step, scenario.id, index)
     async with sem:
-        with rollout_context(material, observer=tracer.observer(cfg.run, step, scenario.id, index) if tracer else None):
-            try:
-                traj = await asyncio.wait_for(rt.agent.rollout(client, policy, scenario), cfg.rollouts.timeout_s)
-            except asyncio.TimeoutError:
-                raise RolloutTimeout(f"rollout {index} of scenario {scenario.id!r} exceeded "
-                                     f"{cfg.rollouts.timeout_s:g}s") from None
-    if not isinstance(traj, Trajectory):
-        raise TypeError(f"{type(rt.agent).__name__}.rollout returned {type(traj).__name__}, expected Trajectory")
+        with tracer.rollout_trace(cfg.run, step, scenario.id, index, input={"scenario": scenario.id},
+                                  metadata={"policy": policy}) as trace:
+            observer = None
+            if trace.enabled:
+                def observer(rec):
+                    trace.generation("policy.chat", rec.model, input=rec.request_messages,
+                                     output=rec.response_message,
+                                     usage={"input": rec.prompt_tokens, "output": rec.completion_tokens},
+                                     latency_s=rec.latency_s)
+            with rollout_context(material, observer=observer):
+                try:
+                    traj = await asyncio.wait_for(rt.agent.rollout(client, policy, scenario), cfg.rollouts.timeout_s)
+                except asyncio.TimeoutError:
+                    raise RolloutTimeout(f"rollout {index} of scenario {scenario.id!r} exceeded "
+                                         f"{cfg.rollouts.timeout_s:g}s") from None
+            if not isinstance(traj, Trajectory):
+                raise TypeError(f"{type(rt.agent).__name__}.rollout returned {type(traj).__name__}, "
+                                "expected Trajectory")
+            trace.update(output={"reward": traj.reward, "metrics": traj.metrics})
     traj.metadata.update({"scenario_id": scenario.id, "index": index, "step": step, "policy": policy})
     return traj
 
@@ -91,7 +103,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
     progress = await Progress(label, total=len(todo) * group_size).start()
     sem = asyncio.Semaphore(config.rollouts.concurrency)
-    tracer = _tracer()
+    tracer = get_tracer()
     client = rt.client()
     rewards: list[float] = []
     failures: list[RecordedException] = []
@@ -109,8 +121,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         await asyncio.gather(*(group_task(i, s) for i, s in todo))
     finally:
         await client.close()
-        if tracer:
-            tracer.flush()
+        tracer.flush()
     total = len(todo) * group_size
     if total and len(failures) > config.rollouts.max_failure_fraction * total:
         first = "\n".join(f"- {e.type}: {e.message}" for e in failures[:5])
@@ -128,16 +139,6 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         "failed_rollouts": len(failures),
         "failure_types": dict(Counter(e.type for e in failures)),
     }
-
-
-def _tracer():
-    """The Langfuse tracer when keys are set, else None (zero overhead)."""
-    try:
-        from .tracing import get_tracer
-    except ImportError:
-        return None
-    tracer = get_tracer()
-    return tracer if tracer is not None and tracer.enabled else None
 
 
 def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[TrajectoryGroup]:

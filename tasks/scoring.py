@@ -26,6 +26,7 @@ from .cache_keys import cache_key_fn
 from .retry_policy import retry_condition
 from .rollouts import read_groups
 from .run_config import RunConfig
+from .tracing import get_tracer, rollout_trace_id
 from .runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
@@ -77,6 +78,19 @@ async def _judge_all(rt: Runtime, groups: list[TrajectoryGroup]) -> list[Traject
     return judged
 
 
+def _trace_scores(config: RunConfig, step, groups: list[TrajectoryGroup]) -> None:
+    """Reward, judge score and components on each rollout's trace (no-op without Langfuse keys)."""
+    tracer = get_tracer()
+    if not tracer.enabled:
+        return
+    for group in groups:
+        for traj in group.trajectories:
+            index = traj.metadata.get("index")
+            if index is not None:
+                tracer.score_trajectory(rollout_trace_id(config.run, step, group.scenario_id, int(index)), traj)
+    tracer.flush()
+
+
 def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str, float]:
     """Mean/std reward, failure counts and mean of every per-trajectory numeric metric."""
     rewards = [t.reward for g in groups for t in g.trajectories if not t.error]
@@ -115,6 +129,7 @@ def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rol
     if use_judge and config.judge is not None:
         groups = asyncio.run(_judge_all(rt, groups))
     rt.store.write_groups(step, out, groups)
+    _trace_scores(config, step, groups)
     metrics = summarize(groups, prefix)
     log.info("step %d %s: reward %.3f ± %.3f over %d trajectories (%d failed)", step, prefix,
              metrics[f"{prefix}/reward"], metrics[f"{prefix}/reward_std"],

@@ -1,0 +1,105 @@
+"""Kill the training flow with SIGKILL at three moments and resume it on a fresh Prefect home.
+
+One chain per storage kind (local folder, S3 on moto): kill (a) after the first rollout group of step
+1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
+before its commit; then run to the end. Each restart uses a new PREFECT_HOME (a new machine). The
+inference server is shared and sits behind a counting proxy, so the test sees every rollout request.
+Asserted: no stored rollout group is requested again, the run reaches the final step, and the final
+adapter is byte-identical to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from storage.store import RunStore
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS, GROUP_SIZE, STEPS = 2, 3, 2
+
+
+def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None = None):
+    home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env.pop("TRAJFLOW_CRASH_AT", None)
+    if crash_at:
+        env["TRAJFLOW_CRASH_AT"] = crash_at
+    cmd = [sys.executable, "-m", "flows.train", "configs/tiny.yaml", "--set", f"storage={root}",
+           "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
+           "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        try:  # SIGKILL orphans Prefect's ephemeral API server: take the whole process group down
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out
+
+
+def adapter_bytes(store: RunStore, step: int) -> bytes:
+    return store.get_bytes(step, "adapter/adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference_adapter(counting_server, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reference-run"))
+    code, out = run_flow(root, counting_server.url, tmp_path_factory.mktemp("ref-home"), None)
+    assert code == 0, out[-3000:]
+    store = RunStore(root, "ci", "tiny")
+    assert store.committed_steps() == list(range(STEPS + 1))
+    return adapter_bytes(store, STEPS)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_kill_and_resume(kind, counting_server, reference_adapter, tmp_path, request):
+    env = {}
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
+        env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
+        root = f"s3://{bucket}/runs"
+    else:
+        root = str(tmp_path / "runs")
+    store = RunStore(root, "ci", "tiny")
+    proxy = counting_server
+
+    # (a) killed right after the first group of step 1 was stored
+    proxy.reset()
+    code, out = run_flow(root, proxy.url, tmp_path, "rollouts-group:1", env)
+    assert code == -signal.SIGKILL, out[-3000:]
+    stored = store.list_files(1, "groups/")
+    assert len(stored) == 1 and store.committed_steps() == [0]
+
+    # (b) resumed: only the missing group is requested; killed in the middle of step 1's training
+    proxy.reset()
+    code, out = run_flow(root, proxy.url, tmp_path, "training:1", env)
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - 1) * GROUP_SIZE
+    assert len(store.list_files(1, "groups/")) == GROUPS
+    assert store.committed_steps() == [0] and not store.exists(1, "training.json")
+
+    # (c) resumed: step 1 trains from stored rollouts (no request), step 2 runs; killed before its commit
+    proxy.reset()
+    code, out = run_flow(root, proxy.url, tmp_path, "before-commit:2", env)
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == []
+    assert len(proxy.rollout_requests("tiny@1")) == GROUPS * GROUP_SIZE
+    assert store.committed_steps() == [0, 1] and store.exists(2, "training.json")
+
+    # resumed to the end: nothing of step 2 is sampled again, and the result equals the uninterrupted run
+    proxy.reset()
+    code, out = run_flow(root, proxy.url, tmp_path, None, env)
+    assert code == 0, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
+    assert store.committed_steps() == [0, 1, 2]
+    assert adapter_bytes(store, STEPS) == reference_adapter
