@@ -1,6 +1,12 @@
-"""The agent author's world: scenarios, trajectories, groups and the Agent protocol."""
+"""The agent author's world: scenarios, trajectories, groups, the Agent protocol and ART's script API.
+
+`import agents as art` gives ART's names: TrainableModel, Model, TrainConfig, Trajectory,
+TrajectoryGroup, gather_trajectory_groups (and the judge: ruler_score_group).
+"""
 
 from .agent import Agent, BaseAgent
+from .gather import GatherError, gather_trajectories, gather_trajectory_groups
+from .model import Model, TrainableModel, TrainConfig, TrainResult
 from .scenario import Scenario, Split
 from .trajectory import Conversation, History, RecordedException, SampledTurn, Trajectory, TrajectoryGroup
 
@@ -8,11 +14,27 @@ __all__ = [
     "Agent",
     "BaseAgent",
     "Conversation",
+    "GatherError",
     "History",
+    "Model",
     "RecordedException",
     "SampledTurn",
     "Scenario",
     "Split",
+    "TrainConfig",
+    "TrainResult",
+    "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "ruler_score_group",
 ]
+
+
+def __getattr__(name):
+    if name == "ruler_score_group":
+        from .judge import ruler_score_group
+
+        return ruler_score_group
+    raise AttributeError(name)
