@@ -1,0 +1,200 @@
+"""TrainerConfig: every knob of the GRPO update, each with the trade-off it makes.
+
+One pydantic model so the flow's parameters render as a form and a checkpoint records exactly what
+produced it. Defaults follow ART where ART's choice is sound (CISPO, sequence-mean, std scaling)
+and fix its gaps (one optimizer step per call with real gradient accumulation, exact resume).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Per-loss clip defaults (epsilon, epsilon_high) used when the fields are left at None.
+# CISPO: ART's [0, 5] importance-weight clip; PPO: DAPO's clip-higher; GSPO: the GSPO paper's values.
+DEFAULT_EPSILONS: dict[str, tuple[float, float]] = {
+    "cispo": (1.0, 4.0),
+    "ppo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+}
+
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TrainerConfig(BaseModel):
+    """How one GRPO step turns scored trajectory groups into the next LoRA adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # --- optimisation -------------------------------------------------------------------------
+    learning_rate: float = Field(
+        default=1e-5, gt=0,
+        description="AdamW peak learning rate. LoRA tolerates 1e-5..1e-4; higher learns faster but drifts "
+        "further from the sampler per step (more clipping, larger logprob mismatch).",
+    )
+    weight_decay: float = Field(
+        default=0.0, ge=0,
+        description="AdamW decoupled weight decay on the LoRA weights. ART forces 0.1 for RL; 0 keeps the "
+        "adapter's magnitude purely reward-driven, >0 pulls it back toward the base model.",
+    )
+    adam_betas: tuple[float, float] = Field(
+        default=(0.9, 0.99),
+        description="AdamW (beta1, beta2). A lower beta2 (0.99 rather than 0.999) adapts faster to the "
+        "non-stationary RL gradient at the cost of noisier second-moment estimates.",
+    )
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon; larger damps updates of rarely-used weights.")
+    grad_clip: float | None = Field(
+        default=1.0, gt=0,
+        description="Clip the global gradient norm to this value (None: no clipping, norm still reported). "
+        "Small values (ART uses 0.1) make steps steadier but slower to learn.",
+    )
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        default="constant",
+        description="Learning-rate shape after warmup. 'constant' suits open-ended RL (no known end); "
+        "'cosine'/'linear' decay to min_lr_ratio*learning_rate at total_steps and need total_steps.",
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0,
+        description="Optimizer steps of linear warmup from 0 to learning_rate. Protects a fresh Adam state "
+        "from large first updates; each warmup step learns less.",
+    )
+    total_steps: int | None = Field(
+        default=None, ge=1,
+        description="Length of the schedule in optimizer steps (required for cosine/linear). Steps beyond it "
+        "stay at the final learning rate.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1,
+        description="Final learning rate of a decaying schedule, as a fraction of learning_rate.",
+    )
+    seed: int = Field(
+        default=0,
+        description="Seeds the LoRA initialisation and the trainer's RNG (dropout). Same seed + same data = "
+        "same adapter bytes on CPU.",
+    )
+
+    # --- LoRA -----------------------------------------------------------------------------------
+    lora_rank: int = Field(default=8, ge=1, description="LoRA rank r. Higher can learn more per step but costs memory and compute and overfits small reward signals more easily.")
+    lora_alpha: float = Field(default=16, gt=0, description="LoRA alpha; the update is scaled by alpha/r. Changing r without alpha changes the effective step size.")
+    lora_dropout: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Dropout on the LoRA input. >0 regularises but makes the trainer's logprobs stochastic "
+        "(a noisier importance ratio) and costs an extra activation copy per adapted layer.",
+    )
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        default="all-linear",
+        description="Which linear layers get adapters: 'all-linear' (every projection except the output "
+        "head, best quality) or a list of module names (e.g. attention only: cheaper, learns less).",
+    )
+
+    # --- objective --------------------------------------------------------------------------------
+    loss: Literal["cispo", "ppo", "gspo"] = Field(
+        default="cispo",
+        description="Policy objective. 'cispo': -sg(clip(ratio)) * A * logp, every token keeps a gradient "
+        "(ART's default). 'ppo': -min(ratio*A, clip(ratio)*A), tokens outside the trust region get none. "
+        "'gspo': PPO clip on the per-row geometric-mean ratio, steadier for long rows.",
+    )
+    epsilon: float | None = Field(
+        default=None, ge=0,
+        description="Lower clip width: ratio is clipped at 1-epsilon. None uses the loss's default "
+        "(cispo 1.0, ppo 0.2, gspo 3e-4). Wider trusts stale/mismatched samples more.",
+    )
+    epsilon_high: float | None = Field(
+        default=None, ge=0,
+        description="Upper clip width: ratio is clipped at 1+epsilon_high. None uses the loss's default "
+        "(cispo 4.0, ppo 0.28, gspo 4e-4). A higher upper bound (DAPO clip-higher) keeps exploration alive.",
+    )
+    aggregation: Literal["sequence_mean", "token_mean", "dr_grpo"] = Field(
+        default="sequence_mean",
+        description="How token losses sum to the step loss. 'sequence_mean': every trajectory weighs the "
+        "same whatever its length (ART, original GRPO). 'token_mean': every trained token weighs the same "
+        "(DAPO): long trajectories dominate. 'dr_grpo': token sum over a constant (dr_grpo_norm) per "
+        "trajectory, no length bias in either direction; this is also the token-sum aggregation.",
+    )
+    dr_grpo_norm: int | None = Field(
+        default=None, ge=1,
+        description="Dr.GRPO's constant normaliser (tokens per trajectory). None uses max_row_tokens.",
+    )
+    scale_rewards: bool = Field(
+        default=True,
+        description="Divide group-centred rewards by the group's std (GRPO). Off (Dr.GRPO) keeps the reward "
+        "scale, so groups with tiny reward differences get tiny updates instead of amplified noise.",
+    )
+    kl_coef: float = Field(
+        default=0.0, ge=0,
+        description="KL-shaped advantages against the reference policy (the base model = adapter switched "
+        "off, no second model): A_t += kl_coef * (mean(k) - k_t), k_t = logp - logp_ref. >0 keeps the "
+        "policy near the base model; costs two extra no-grad forward passes per step.",
+    )
+    tis_cap: float | None = Field(
+        default=None, gt=0,
+        description="Truncated importance sampling: weight each token by min(pi_old/pi_sampler, tis_cap) "
+        "with pi_old recomputed by the trainer, and take the objective's ratio against pi_old. Corrects "
+        "train/inference numeric mismatch; None trusts the sampler's logprobs as pi_old.",
+    )
+    temperature: float = Field(
+        default=1.0, gt=0,
+        description="Sampling temperature of the rollouts. The trainer divides logits by it so its logprobs "
+        "match what the sampler reported; a wrong value biases every importance ratio.",
+    )
+
+    # --- rows and batching --------------------------------------------------------------------------
+    max_row_tokens: int = Field(
+        default=8192, ge=2,
+        description="Longest training row (prompt + completions + tool text). Longer rows are dropped or "
+        "truncated (see overlong); a larger limit trains on long agents at more memory per micro-batch.",
+    )
+    overlong: Literal["drop", "truncate"] = Field(
+        default="drop",
+        description="Rows over max_row_tokens: 'drop' (ART; the reward may depend on the lost tail) or "
+        "'truncate' (keep the first max_row_tokens; tokens after the cut get no gradient).",
+    )
+    micro_batch_tokens: int = Field(
+        default=8192, ge=2,
+        description="Token budget of one forward/backward. Rows are packed without padding up to this many "
+        "tokens (a longer row goes alone); gradients accumulate over all micro-batches into ONE optimizer "
+        "step. Bigger is faster until memory runs out.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute decoder layers in the backward pass instead of storing activations: much "
+        "less memory per token, about a third more compute.",
+    )
+    checkpoint_layer_fraction: float = Field(
+        default=1.0, gt=0, le=1,
+        description="With gradient_checkpointing, the fraction of decoder layers that are recomputed (evenly "
+        "spread). Lower trades memory back for speed.",
+    )
+    logprob_chunk: int = Field(
+        default=2048, ge=1,
+        description="Tokens per chunk when projecting hidden states onto the vocabulary: logits exist for "
+        "one chunk at a time (chunk x vocab floats), never for the whole micro-batch.",
+    )
+
+    # --- runtime ----------------------------------------------------------------------------------------
+    backend: Literal["auto", "peft", "unsloth"] = Field(
+        default="auto",
+        description="'peft': transformers + peft. 'unsloth': load through Unsloth (CUDA only; error if "
+        "missing). 'auto': Unsloth when importable on CUDA, else peft. The loss is the same either way.",
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="Base-model dtype. 'auto': bfloat16 on CUDA, float32 on CPU (CPU bf16 is slow and "
+        "lossy). LoRA weights and optimizer state stay float32 either way.",
+    )
+
+    @model_validator(mode="after")
+    def _schedule_has_length(self) -> TrainerConfig:
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules is an empty list; use 'all-linear' or name modules")
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high) with the per-loss defaults filled in."""
+        low, high = DEFAULT_EPSILONS[self.loss]
+        eps = low if self.epsilon is None else self.epsilon
+        eps_high = (high if self.epsilon is None else eps) if self.epsilon_high is None else self.epsilon_high
+        return eps, eps_high

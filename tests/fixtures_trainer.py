@@ -1,0 +1,107 @@
+"""Trainer test helpers: real sampled turns from the tiny model (chat template + generate + raw logits).
+
+``sample_turn`` plays the inference server: it renders nothing itself, it takes prompt token ids,
+samples with ``model.generate`` (top-k/top-p off, so the sampling distribution is the model's own)
+and records each sampled token's logprob from the raw logits, as vLLM reports them. ``forced`` makes
+it emit given tokens (a canonical tool call), still reporting the model's logprobs of those tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agents.trajectory import SampledTurn, Trajectory, TrajectoryGroup
+
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+TOOL_CALL_TEXT = '<tool_call>{"name": "search", "arguments": {"query": "paris weather"}}</tool_call><|im_end|>'
+TOOL_CALL_MESSAGE = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "call_0", "type": "function",
+                    "function": {"name": "search", "arguments": '{"query": "paris weather"}'}}],
+}
+
+
+def chat_prompt_ids(tok, messages, tools=None) -> list[int]:
+    out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def sample_turn(model, tok, prompt_ids, max_new_tokens: int = 6, forced: list[int] | None = None,
+                seed: int = 0) -> SampledTurn:
+    """One sampled assistant turn with exact prompt ids, sampled ids and the model's logprobs."""
+    n_prompt = len(prompt_ids)
+    kwargs = {}
+    if forced is not None:
+        max_new_tokens = len(forced)
+        kwargs["prefix_allowed_tokens_fn"] = lambda _b, ids: [forced[min(len(ids) - n_prompt, len(forced) - 1)]]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id, **kwargs,
+        )
+    new = out.sequences[0, n_prompt:].tolist()
+    logits = torch.stack(out.logits)[: len(new), 0].float()
+    lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(new)[:, None]).squeeze(1).tolist()
+    text = tok.decode(new, skip_special_tokens=True)
+    finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
+    return SampledTurn(message={"role": "assistant", "content": text}, prompt_token_ids=list(prompt_ids),
+                       token_ids=new, logprobs=lps, finish_reason=finish, policy="tiny@0")
+
+
+def synthetic_turn(prompt: list[int], completion: list[int], logprob: float = -1.0) -> SampledTurn:
+    return SampledTurn(message={"role": "assistant", "content": "x"}, prompt_token_ids=prompt,
+                       token_ids=completion, logprobs=[logprob] * len(completion))
+
+
+def synthetic_group(rewards, prompt=(5, 6, 7), completion_len: int = 3, scenario_id: str = "s") -> TrajectoryGroup:
+    """A group of single-turn trajectories with fixed token ids (for row/advantage logic, no model)."""
+    trajs = []
+    for i, r in enumerate(rewards):
+        comp = [10 + i + k for k in range(completion_len + i)]
+        trajs.append(Trajectory(messages_and_choices=[{"role": "user", "content": "q"},
+                                                      synthetic_turn(list(prompt), comp)], reward=r))
+    return TrajectoryGroup(trajs, scenario_id=scenario_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_path):
+    """(model, tokenizer) of the tiny random model, fp32 CPU, for sampling conversations."""
+    from backends.models import load_model
+
+    model, tok, _ = load_model(str(tiny_model_path))
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tool_conversation(tiny_lm):
+    """A real multi-turn tool-calling trajectory: forced tool call, tool result, sampled answer,
+    then a turn whose prompt is a fresh (summarised) conversation that does not extend the first."""
+    model, tok = tiny_lm
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    p1 = chat_prompt_ids(tok, messages, tools=[SEARCH_TOOL])
+    call_ids = tok(TOOL_CALL_TEXT, add_special_tokens=False)["input_ids"]
+    t1 = sample_turn(model, tok, p1, forced=call_ids, seed=1)
+    t1.message = dict(TOOL_CALL_MESSAGE)
+    traj = Trajectory(messages_and_choices=messages, tools=[SEARCH_TOOL], reward=1.0)
+    traj.messages_and_choices.append(t1)
+    traj.messages_and_choices.append({"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21 C"})
+    p2 = chat_prompt_ids(tok, traj.messages(), tools=[SEARCH_TOOL])
+    t2 = sample_turn(model, tok, p2, max_new_tokens=7, seed=2)
+    traj.messages_and_choices.append(t2)
+    fresh = [{"role": "system", "content": "Summary: the user asked about Paris."},
+             {"role": "user", "content": "Anything else?"}]
+    p3 = chat_prompt_ids(tok, fresh)
+    t3 = sample_turn(model, tok, p3, max_new_tokens=5, seed=3)
+    traj.messages_and_choices.append(t3)
+    return {"trajectory": traj, "turns": (t1, t2, t3), "prompts": (p1, p2, p3), "tool_call_ids": call_ids}
