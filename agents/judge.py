@@ -174,18 +174,31 @@ def _retryable(exc: BaseException) -> bool:
     return False
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, secrets: list[str]) -> str:
+    """A short error text for logs, with any credential the server may have echoed replaced."""
     if isinstance(exc, openai.APIStatusError):
-        return f"HTTP {exc.status_code}: {str(exc.message)[:300]}"
-    if isinstance(exc, openai.APIConnectionError):
-        return f"{type(exc).__name__}: {exc}"
-    return str(exc)[:500]
+        text = f"HTTP {exc.status_code}: {str(exc.message)[:300]}"
+    elif isinstance(exc, openai.APIConnectionError):
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = str(exc)[:500]
+    for secret in secrets:
+        text = text.replace(secret, "[redacted]")
+    return text
+
+
+def _client_secrets(client: openai.AsyncOpenAI) -> list[str]:
+    """The key and any URL credentials or query of the client, so error texts never carry them."""
+    parts = urlsplit(str(client.base_url))
+    found = [str(getattr(client, "api_key", "") or ""), parts.password or "", parts.query or ""]
+    return sorted((f for f in found if len(f) >= 4), key=len, reverse=True)
 
 
 async def _ask_judge(
     client: openai.AsyncOpenAI, config: JudgeConfig, model: str, messages: list[dict[str, str]], ids: list[str]
 ) -> _Outcome:
     out = _Outcome(json_schema=config.use_json_schema)
+    secrets = _client_secrets(client)
     attempt = 0
     while attempt < config.max_attempts:
         kwargs: dict[str, Any] = {"model": model, "messages": messages}
@@ -213,18 +226,26 @@ async def _ask_judge(
         except openai.APIStatusError as exc:
             if out.json_schema and exc.status_code in (400, 422):
                 out.json_schema = False  # remembered for the rest of this call; not counted as an attempt
-                out.notes.append(f"judge rejected response_format json_schema ({_describe(exc)}); using plain text")
+                out.notes.append(f"judge rejected response_format json_schema ({_describe(exc, secrets)}); using plain text")
                 continue
             error = exc
         except (openai.APIConnectionError, JudgeParseError) as exc:
             error = exc
         attempt += 1
-        out.errors.append(f"attempt {attempt}: {_describe(error)}")
+        out.errors.append(f"attempt {attempt}: {_describe(error, secrets)}")
         if not _retryable(error):
             break
         if attempt < config.max_attempts and config.backoff_s > 0:
             await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
     return out
+
+
+def _display_url(url: str | None) -> str:
+    """The endpoint without credentials or query (either may carry a key when it comes from the environment)."""
+    if not url:
+        return "the openai default URL"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 
 def _group_metrics(group: TrajectoryGroup, **values: float) -> None:
@@ -271,7 +292,7 @@ async def judge_group(
     elapsed = time.perf_counter() - started
 
     if outcome.scores is None:
-        where = f"judge {model!r} at {config.resolved_base_url() or 'the openai default URL'}"
+        where = f"judge {model!r} at {_display_url(config.resolved_base_url())}"
         reason = f"{where} failed to score group {group.scenario_id or '?'} of {len(ids)} after " \
                  f"{len(outcome.errors)} attempt(s): " + "; ".join(outcome.errors)
         if config.on_failure == "fail":
@@ -302,8 +323,9 @@ def _scored(
         traj.metrics["judge_cache_hit"] = int(cache_hit)
         traj.metrics["judge_failed"] = 0
         clamped = "" if entry.get("raw_score", entry["score"]) == entry["score"] else f" (judge wrote {entry['raw_score']}, clamped)"
+        explanation = entry.get("explanation") or ""
         traj.logs.append(f"judge {model}{' [cached]' if cache_hit else ''}: score {float(entry['score']):.3f}{clamped}"
-                         f" - {entry.get('explanation', '')}".rstrip(" -"))
+                         + (f" - {explanation}" if explanation else ""))
     scored.logs.extend(outcome.notes)
     _group_metrics(
         scored, judge_cache_hit=int(cache_hit), judge_failed=0, judge_requests=outcome.requests,

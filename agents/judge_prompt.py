@@ -197,6 +197,10 @@ def _render_trajectory(traj_id: str, traj: Trajectory, skip: int, main_tools: li
     return "\n".join(parts)
 
 
+def _states(message: dict[str, Any], task: str) -> bool:
+    return message.get("role") in ("system", "developer") and content_text(message.get("content")).strip() == task
+
+
 def build_judge_messages(
     group: TrajectoryGroup, rubric: str, task_description: str | None = None
 ) -> tuple[list[dict[str, str]], list[str]]:
@@ -209,8 +213,8 @@ def build_judge_messages(
     tools = unique_tools(group)
 
     prefix = conversations[0][:prefix_len] if trajs else []
-    # The system prompt already stated the task; do not repeat it in the shared context.
-    if not task_description and prefix and prefix[0].get("role") in ("system", "developer"):
+    # A system prompt that is the task statement is not repeated in the shared context.
+    if prefix and _states(prefix[0], task):
         prefix = prefix[1:]
     sections = [f"<task>\n{task}\n</task>"]
     if tools:
@@ -221,10 +225,7 @@ def build_judge_messages(
         )
     for traj_id, traj, conv in zip(ids, trajs, conversations):
         # A trajectory whose system prompt was lifted into <task> shows the rest of its conversation.
-        skip = prefix_len
-        if prefix_len == 0 and not task_description and conv and conv[0].get("role") in ("system", "developer") \
-                and content_text(conv[0].get("content")).strip() == task:
-            skip = 1
+        skip = 1 if prefix_len == 0 and conv and _states(conv[0], task) else prefix_len
         sections.append(_render_trajectory(traj_id, traj, skip, tools))
     system = SYSTEM_TEMPLATE.format(n=len(trajs), ids=", ".join(ids), rubric=rubric.strip())
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(sections)}], ids

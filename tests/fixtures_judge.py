@@ -176,3 +176,22 @@ def make_group(answers: list[str], rewards: list[float] | None = None, scenario_
 
 def scores_json(scores: dict[str, float]) -> str:
     return json.dumps({"scores": [{"id": k, "explanation": f"reason {k}", "score": v} for k, v in scores.items()]})
+
+
+def answer_key_judge(correct: str):
+    """A scripted judge that reads the prompt: 1.0 to trajectories whose last assistant line is ``correct``.
+
+    It answers in reverse id order, so a caller matching by position would get every score wrong.
+    """
+    import re
+
+    def reply(body: dict[str, Any]) -> str:
+        prompt = body["messages"][-1]["content"]
+        blocks = re.findall(r'<trajectory id="(t\d+)">\n(.*?)</trajectory>', prompt, re.DOTALL)
+        scores = {}
+        for tid, block in blocks:
+            answers = re.findall(r"^\[assistant\] (.*)$", block, re.MULTILINE)
+            scores[tid] = 1.0 if answers and answers[-1].strip() == correct else 0.0
+        return scores_json(dict(reversed(list(scores.items()))))
+
+    return reply

@@ -224,3 +224,28 @@ def test_config_refuses_secrets_and_bad_urls(monkeypatch):
     monkeypatch.delenv("TRAJFLOW_JUDGE_MODEL", raising=False)
     with pytest.raises(JudgeError, match="no judge model"):
         JudgeConfig().resolved_model()
+
+
+async def test_concurrent_groups_through_gather_after_each(judge_server):
+    from agents.gather import gather_trajectory_groups
+    from tests.fixtures_judge import answer_key_judge
+
+    judge_server.script(*[answer_key_judge("4")] * 3)
+    groups = [make_group(answers, scenario_id=f"g{i}") for i, answers in
+              enumerate([["4", "5", "6"], ["7", "4"], ["3", "3", "4", "4"]])]
+    cfg = JudgeConfig(model="judge-model", base_url=judge_server.base_url)
+    scored = await gather_trajectory_groups(
+        groups, pbar_desc=None, after_each=lambda g: ruler_score_group(g, config=cfg, swallow_exceptions=True))
+    assert [g.rewards for g in scored] == [[1.0, 0.0, 0.0], [0.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
+    assert len(judge_server.chat_requests) == 3
+
+
+async def test_failure_report_hides_credentials_even_when_the_server_echoes_them(judge_server, monkeypatch):
+    monkeypatch.setenv("TRAJFLOW_JUDGE_BASE_URL", judge_server.base_url.replace("http://", "http://user:pw-secret-99@"))
+    monkeypatch.setenv("TRAJFLOW_JUDGE_API_KEY", "sk-echoed-secret-42")
+    judge_server.script(lambda body: Reply(401, {"error": {"message": "bad key sk-echoed-secret-42 for user:pw-secret-99"}}))
+    kept = await judge_group(make_group(["a", "b"]), JudgeConfig(model="m", max_attempts=3))
+    assert kept.metrics["judge_failed"] == 1 and len(judge_server.chat_requests) == 1
+    assert judge_server.base_url in kept.logs[-1] and "401 - bad key [redacted] for user:[redacted]" in kept.logs[-1]
+    dumped = json.dumps(kept.to_json_dict())
+    assert "pw-secret-99" not in dumped and "sk-echoed-secret-42" not in dumped

@@ -50,6 +50,8 @@ def test_identical_trajectories_each_keep_their_answer():
     assert ids == IDS
     assert prompt.count("[assistant] 4") == 3 and prompt.count("[user] What is 2 + 2?") == 1
     assert f"<task>\n{SYSTEM_PROMPT}\n</task>" in prompt and prompt.count(SYSTEM_PROMPT) == 1
+    same = build_judge_messages(group, DEFAULT_RUBRIC, task_description=SYSTEM_PROMPT)[0][1]["content"]
+    assert same == prompt  # the agent's system prompt passed as the task is not repeated either
     assert shared_prefix_length([[{"a": 1}], [{"a": 1}]]) == 0  # one-message conversations share nothing
 
 
