@@ -1,0 +1,19 @@
+"""Storage errors. Every message names the full URL or path concerned and the cause, never a secret."""
+
+from __future__ import annotations
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed; the message names the URL and the cause."""
+
+
+class NotFoundError(StorageError):
+    """The file or step asked for does not exist (the bucket does; a missing bucket is a plain StorageError)."""
+
+
+class CorruptManifestError(StorageError):
+    """A step manifest exists but cannot be parsed or validated; the step does not count as committed."""
+
+
+class HashMismatchError(StorageError):
+    """A stored file's content differs from the sha256 recorded in its step manifest."""

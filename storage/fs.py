@@ -1,0 +1,315 @@
+"""fsspec access: one place that opens a root URL, writes atomically, lists freshly and translates errors.
+
+Atomic writes: readers never see a partial file. On a local disk the bytes go to a temporary file
+``.<name>.tmp-<hex>`` in the same folder, are fsync'ed, then ``os.replace``d over the target. On S3
+one PUT (or one completed multipart upload) makes the object appear whole. Listings skip the
+temporary files a crash may leave behind.
+
+Credentials and the endpoint come from the environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``) or from ``storage_options``. Errors from fsspec,
+s3fs and botocore become :class:`StorageError` naming the URL and the cause; known secret values are
+redacted from every message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import NotFoundError, StorageError
+from .names import is_temp_name
+
+CHUNK = 4 * 2**20
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_SECRET_OPTION_WORDS = ("secret", "token", "password", "key")
+
+
+def normalize_root(root: str) -> str:
+    """Strip trailing slashes; make a plain local path absolute. URLs (``file://``, ``s3://``) keep their form."""
+    if not isinstance(root, (str, os.PathLike)) or not str(root).strip():
+        raise StorageError(f"invalid storage root {root!r}: expected a folder path or an fsspec URL like s3://bucket/prefix")
+    root = os.fspath(root)
+    if "://" not in root:
+        root = os.path.abspath(os.path.expanduser(root))
+    stripped = root.rstrip("/")
+    if not stripped:
+        return "/"
+    if stripped.endswith(":"):
+        raise StorageError(f"invalid storage root {root!r}: a URL needs a bucket or folder after '://'")
+    return stripped
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_local(path: str) -> tuple[str, int]:
+    """sha256 hex and size of a local file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _secrets_of(options: Any) -> list[str]:
+    found: list[str] = []
+    if isinstance(options, dict):
+        for k, v in options.items():
+            if isinstance(v, str) and any(w in str(k).lower() for w in _SECRET_OPTION_WORDS):
+                found.append(v)
+            elif isinstance(v, dict):
+                found.extend(_secrets_of(v))
+    return found
+
+
+class Location:
+    """A root URL opened through fsspec; paths passed to its methods are relative to the root."""
+
+    def __init__(self, root: str, storage_options: dict | None = None):
+        self.url = normalize_root(root)
+        options = dict(storage_options or {})
+        self.protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        if self.protocol in ("s3", "s3a") and "endpoint_url" not in options and os.environ.get("AWS_ENDPOINT_URL"):
+            # explicit, so the fsspec instance cache keys on the endpoint
+            options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+        self._secrets = [s for s in _secrets_of(options) + [os.environ.get(e, "") for e in _SECRET_ENV] if len(s) >= 4]
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **options)
+        except Exception as exc:  # noqa: BLE001 - bad protocol or options
+            raise StorageError(f"cannot open storage root {self.url}: {self._cause(exc)}") from None
+        self.path = self.path.rstrip("/") if self.path not in ("", "/") else self.path
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.is_s3 = self.protocol in ("s3", "s3a")
+        self._bucket_checked = False
+
+    # ---- naming -------------------------------------------------------------------------
+    def full(self, rel: str) -> str:
+        return f"{self.path.rstrip('/')}/{rel}" if rel else self.path
+
+    def url_of(self, rel: str) -> str:
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def rel_of(self, full_path: str, base_rel: str = "") -> str:
+        """Path relative to ``base_rel`` of an fs path returned by a listing."""
+        base = self.full(base_rel).rstrip("/")
+        full_path = full_path.rstrip("/")
+        if self.is_local:
+            full_path = self.fs._strip_protocol(full_path)
+        return full_path[len(base) + 1 :] if full_path.startswith(base + "/") else full_path
+
+    # ---- errors ----------------------------------------------------------------------------
+    def redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _cause(self, exc: BaseException) -> str:
+        name = type(exc).__name__
+        text = str(exc) or name
+        low = text.lower()
+        if self.is_s3 and "bucket does not exist" in low:
+            return f"bucket {self.bucket!r} does not exist"
+        if isinstance(exc, PermissionError) or "accessdenied" in low or "forbidden" in low:
+            return f"access denied, check the credentials and their rights ({name}: {text})"
+        if name == "NoCredentialsError":
+            return "no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or pass storage_options)"
+        if "could not connect" in low or "connect" in name.lower() or isinstance(exc, ConnectionError):
+            return f"cannot reach the storage endpoint ({name}: {text})"
+        return f"{name}: {text}"
+
+    def error(self, action: str, rel: str, exc: BaseException) -> StorageError:
+        """Translate an fsspec/s3fs/botocore exception into a StorageError naming the URL and the cause."""
+        if isinstance(exc, StorageError):
+            return exc
+        url = self.url_of(rel)
+        if isinstance(exc, FileNotFoundError) and not (self.is_s3 and "bucket does not exist" in str(exc).lower()):
+            return NotFoundError(self.redact(f"cannot {action} {url}: it does not exist"))
+        return StorageError(self.redact(f"cannot {action} {url}: {self._cause(exc)}"))
+
+    @contextmanager
+    def wrap(self, action: str, rel: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes a StorageError
+            raise self.error(action, rel, exc) from None
+
+    @property
+    def bucket(self) -> str:
+        return self.path.split("/", 1)[0]
+
+    def check_bucket(self) -> None:
+        """On S3, after a 'not found', make sure it is not the bucket that is missing (checked once)."""
+        if not self.is_s3 or self._bucket_checked:
+            return
+        with self.wrap("access", ""):
+            self.fs.call_s3("list_objects_v2", Bucket=self.bucket, MaxKeys=1)
+        self._bucket_checked = True
+
+    def _not_found(self, action: str, rel: str) -> NotFoundError:
+        self.check_bucket()
+        return NotFoundError(f"cannot {action} {self.url_of(rel)}: it does not exist")
+
+    # ---- writes ----------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Atomic write (see module docstring)."""
+        with self.wrap("write", rel):
+            if self.is_local:
+                self._local_atomic(rel, lambda f: f.write(data))
+            else:
+                self.fs.pipe_file(self.full(rel), data)
+
+    def write_file(self, rel: str, local_path: str) -> None:
+        """Atomic upload of a local file, streamed."""
+        with self.wrap("write", rel):
+            if self.is_local:
+                def copy(f):
+                    with open(local_path, "rb") as src:
+                        shutil.copyfileobj(src, f, CHUNK)
+                self._local_atomic(rel, copy)
+            else:
+                self.fs.put_file(local_path, self.full(rel))
+
+    def _local_atomic(self, rel: str, fill) -> None:
+        target = self.fs._strip_protocol(self.full(rel))
+        folder, name = os.path.split(target)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                fill(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def delete(self, rels: list[str]) -> None:
+        for rel in rels:
+            with self.wrap("delete", rel):
+                try:
+                    self.fs.rm_file(self.full(rel))
+                except FileNotFoundError:
+                    pass
+        if rels and not self.is_local:
+            self.fs.invalidate_cache(self.path)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            with self.wrap("read", rel):
+                return self.fs.cat_file(self.full(rel))
+        except NotFoundError:
+            raise self._not_found("read", rel) from None
+
+    def read_many(self, rels: list[str]) -> dict[str, bytes | StorageError]:
+        """Read several files at once (concurrently on S3); each value is the bytes or the error."""
+        if not rels:
+            return {}
+        fulls = [self.full(r) for r in rels]
+        with self.wrap("read", rels[0].rsplit("/", 1)[0]):
+            got = self.fs.cat(fulls, on_error="return")
+        if len(fulls) == 1 and not isinstance(got, dict):
+            got = {fulls[0]: got}
+        out: dict[str, bytes | StorageError] = {}
+        for rel, full in zip(rels, fulls):
+            value = got.get(full, got.get(self.fs._strip_protocol(full)))
+            if isinstance(value, (bytes, bytearray)):
+                out[rel] = bytes(value)
+            elif value is None:
+                out[rel] = NotFoundError(f"cannot read {self.url_of(rel)}: it does not exist")
+            else:
+                out[rel] = self.error("read", rel, value)
+        if any(isinstance(v, NotFoundError) for v in out.values()):
+            self.check_bucket()
+        return out
+
+    def download(self, rel: str, local_path: str) -> None:
+        try:
+            with self.wrap("read", rel):
+                self.fs.get_file(self.full(rel), local_path)
+        except NotFoundError:
+            raise self._not_found("read", rel) from None
+
+    def hash_remote(self, rel: str) -> tuple[str, int]:
+        """sha256 hex and size of a stored file, streamed."""
+        h, size = hashlib.sha256(), 0
+        with self.wrap("read", rel):
+            with self.fs.open(self.full(rel), "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                    size += len(chunk)
+        return h.hexdigest(), size
+
+    def exists(self, rel: str) -> bool:
+        with self.wrap("check", rel):
+            if not self.is_local:
+                self.fs.invalidate_cache(self.full(rel))
+            found = self.fs.isfile(self.full(rel))
+        if not found:
+            self.check_bucket()
+        return found
+
+    # ---- listings (always fresh) -------------------------------------------------------------
+    def find(self, rel_dir: str) -> dict[str, int]:
+        """Every file under ``rel_dir`` (recursive) as {path relative to rel_dir: size}; temp files skipped."""
+        base = self.full(rel_dir)
+        with self.wrap("list", rel_dir):
+            self.fs.invalidate_cache(base)
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError as exc:
+                if self.is_s3 and "bucket does not exist" in str(exc).lower():
+                    raise
+                found = {}
+        out: dict[str, int] = {}
+        for full, info in found.items():
+            if info.get("type") == "directory" or full.endswith("/"):
+                continue
+            rel = self.rel_of(full, rel_dir)
+            if is_temp_name(rel.rsplit("/", 1)[-1]):
+                continue
+            out[rel] = int(info.get("size") or 0)
+        if not out:
+            self.check_bucket()
+        return out
+
+    def list_dirs(self, rel_dir: str) -> list[str]:
+        """Names of the sub-folders directly under ``rel_dir`` ([] when it does not exist)."""
+        base = self.full(rel_dir)
+        with self.wrap("list", rel_dir):
+            self.fs.invalidate_cache(base)
+            try:
+                entries = self.fs.ls(base, detail=True)
+            except FileNotFoundError as exc:
+                if self.is_s3 and "bucket does not exist" in str(exc).lower():
+                    raise
+                entries = []
+        names = sorted(
+            self.rel_of(e["name"], rel_dir) for e in entries if e.get("type") == "directory"
+        )
+        if not names:
+            self.check_bucket()
+        return [n for n in names if n and "/" not in n]
+
+    def root_exists(self) -> bool:
+        """Local: the root folder exists. S3: the bucket exists (a prefix always 'exists')."""
+        if self.is_local:
+            return os.path.isdir(self.fs._strip_protocol(self.path))
+        self.check_bucket()
+        return True
