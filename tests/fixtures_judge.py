@@ -114,6 +114,12 @@ class ScriptedOpenAIServer(LocalHTTPServer):
             self._script.extend(items)
         return self
 
+    def reset(self) -> None:
+        """Forget the requests received and any unused script."""
+        with self._lock:
+            self._script.clear()
+            self.requests.clear()
+
     @property
     def chat_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r["path"].endswith("/chat/completions")]

@@ -249,3 +249,17 @@ async def test_failure_report_hides_credentials_even_when_the_server_echoes_them
     assert judge_server.base_url in kept.logs[-1] and "401 - bad key [redacted] for user:[redacted]" in kept.logs[-1]
     dumped = json.dumps(kept.to_json_dict())
     assert "pw-secret-99" not in dumped and "sk-echoed-secret-42" not in dumped
+
+
+async def test_callers_client_is_used_with_our_retry_policy(judge_server):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=judge_server.base_url, api_key="sk-caller", max_retries=5)
+    judge_server.script(*[Reply(500, {"error": {"message": "down"}})] * 6)
+    kept = await judge_group(make_group(["a", "b"]), config(judge_server, max_attempts=2), client=client)
+    assert kept.metrics["judge_failed"] == 1 and len(judge_server.chat_requests) == 2  # not 2 x 6 client retries
+    assert judge_server.chat_requests[0]["headers"]["authorization"] == "Bearer sk-caller"
+    judge_server.reset()
+    judge_server.script(scores_json({"t1": 0.0, "t2": 1.0}))
+    assert (await judge_group(make_group(["a", "b"]), config(judge_server), client=client)).rewards == [0.0, 1.0]
+    await client.close()  # the caller's client stays open until the caller closes it
