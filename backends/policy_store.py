@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,13 @@ def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None =
         groups = store.read_groups(step, SCORED)
     else:
         store.write_groups(step, SCORED, groups)
+    started = time.perf_counter()
     raw = trainer.train_step(groups)
+    update_s = time.perf_counter() - started
     if after_update is not None:
         after_update(step)
     metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
+    metrics["train/update_s"] = update_s
     result = save_checkpoint(store, step, trainer, metrics)
     log.info("step %d trained: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())[:8]))
     return result

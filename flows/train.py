@@ -13,8 +13,10 @@ previous checkpoint, so where the run was killed does not change its result.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import time
 from typing import Any
 
 from prefect import flow
@@ -49,6 +51,27 @@ def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None
         raise ValueError(
             f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "
             "use a new run name (--set run=...) or the original settings")
+
+
+class StageTimer:
+    """Wall time per stage of a step, reported as time/<stage>_s and time/step_s."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out["time/step_s"] = time.perf_counter() - self.started
+        return out
 
 
 def _evaluate_due(config: RunConfig, step: int) -> bool:
@@ -87,15 +110,23 @@ def train(config: RunConfig) -> dict[str, Any]:
             staged(publish_policy)(config, last, training)
             print(f"resuming {config.project}/{config.run} after committed step {last}")
         for step in range(last + 1, config.steps + 1):
-            scenarios = staged(sample_scenarios)(config, step)
-            rollouts = staged(run_rollouts)(config, step, scenarios)
-            scored = staged(score_groups)(config, step, scenarios, rollouts)
-            training = staged(train_policy)(config, step)
-            publish = staged(publish_policy)(config, step, training)
+            timer = StageTimer()
+            with timer("sample"):
+                scenarios = staged(sample_scenarios)(config, step)
+            with timer("rollouts"):
+                rollouts = staged(run_rollouts)(config, step, scenarios)
+            with timer("score"):
+                scored = staged(score_groups)(config, step, scenarios, rollouts)
+            with timer("train"):
+                training = staged(train_policy)(config, step)
+            with timer("publish"):
+                publish = staged(publish_policy)(config, step, training)
             metrics = {**scored["metrics"], **training["metrics"], **publish["metrics"],
                        "rollouts/reused_groups": float(rollouts["reused_groups"])}
             if _evaluate_due(config, step):
-                metrics.update(staged(evaluate_policy)(config, step))
+                with timer("evaluate"):
+                    metrics.update(staged(evaluate_policy)(config, step))
+            metrics.update(timer.metrics())
             crash_point("before-commit", step)
             store.commit(step, metrics, extra={"policy": config.policy(step)})
             pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
