@@ -1,0 +1,261 @@
+"""LoRA adapters served by the engine: fetching them, reading peft files, and the names requests use.
+
+- **Where from.** ``lora_path`` is a local folder, or a storage URI (``s3://…``, ``file://…``, anything fsspec
+  opens). A URI is copied once into ``<cache>/adapters/<sha256(uri)[:16]>/`` (written to a temporary folder and
+  renamed, so a crash never leaves a half copy); only ``adapter_config.json`` and ``adapter_model.safetensors`` are
+  read (never pickle files).
+- **What is accepted.** peft ``LORA`` adapters on the attention and MLP projections (q/k/v/o, gate/up/down) of the
+  served base model, any rank up to the engine's maximum, ``lora_alpha / r`` scaling (``/ sqrt(r)`` with rslora).
+  DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem.
+- **Names.** The base model is served under its own name. Adapters are registered under their ``lora_name``; by
+  convention ``"<name>@<step>"``. A bare ``"<name>"`` that is not itself registered means the highest registered
+  ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
+- **Memory.** Every registered adapter stays registered until unloaded; its weights are kept in host memory for the
+  ``max_cpu_loras`` most recently used adapters and re-read from the local copy when needed again. How many sit on
+  the device at once (``max_loras``) is the engine's business (`engine_lora.LoraSlots`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be loaded (bad path, bad files, incompatible with the base model)."""
+
+
+class UnknownModel(LookupError):
+    """A request named a model that is neither the base model nor a registered adapter."""
+
+    def __init__(self, name: str, available: list[str]):
+        self.name, self.available = name, available
+        super().__init__(f"The model `{name}` does not exist. Available models: {', '.join(available)}")
+
+
+@dataclass
+class HostAdapter:
+    """A LoRA adapter's weights in host memory: ``weights[(layer, module)] = (A [r, in], B [out, r])``; the
+    delta of that module is ``scale * x @ A.T @ B.T``."""
+
+    rank: int
+    scale: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class AdapterEntry:
+    """A registered adapter: `uid` changes whenever a name is (re)loaded, so stale device copies are never reused."""
+
+    uid: int
+    name: str
+    source: str
+    local_path: Path
+    rank: int
+    step: int | None = field(default=None)
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def fetch_adapter(path: str, cache_dir: Path) -> Path:
+    """Local folder holding the adapter files: `path` itself, or a cached copy of a storage URI."""
+    if not _is_uri(path):
+        local = Path(path).expanduser()
+        if not (local / "adapter_config.json").is_file():
+            raise AdapterError(f"lora_path {path!r}: no adapter_config.json there")
+        return local
+    import fsspec
+
+    target = cache_dir / hashlib.sha256(path.encode()).hexdigest()[:16]
+    if all((target / name).is_file() for name in ADAPTER_FILES):
+        return target
+    fs, root = fsspec.core.url_to_fs(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        for name in ADAPTER_FILES:
+            remote = root.rstrip("/") + "/" + name
+            if not fs.exists(remote):
+                raise AdapterError(f"lora_path {path!r}: {name} not found")
+            fs.get(remote, str(tmp / name))
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not all((target / name).is_file() for name in ADAPTER_FILES):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> HostAdapter:
+    """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out))."""
+    try:
+        config = json.loads((local / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{local}: unreadable adapter_config.json ({e})") from e
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{local}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("use_dora"):
+        raise AdapterError(f"{local}: DoRA adapters are not supported")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"{local}: modules_to_save={config['modules_to_save']} is not supported (LoRA only)")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise AdapterError(f"{local}: per-module rank_pattern/alpha_pattern are not supported")
+    rank = int(config.get("r", 0))
+    if not 1 <= rank <= max_rank:
+        raise AdapterError(f"{local}: rank r={rank} outside 1..{max_rank} (raise max_lora_rank to serve it)")
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    weights_file = local / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise AdapterError(f"{local}: adapter_model.safetensors missing (pickle .bin files are not read)")
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(weights_file), device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt files
+        raise AdapterError(f"{local}: unreadable adapter_model.safetensors ({e})") from e
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in LORA_MODULES:
+            raise AdapterError(f"{local}: unsupported tensor {key!r} (only LoRA on {', '.join(LORA_MODULES)})")
+        layer, module = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            raise AdapterError(f"{local}: {key!r} names layer {layer}, the base model has {num_layers}")
+        parts.setdefault((layer, module), {})[m.group(3)] = tensor
+    if not parts:
+        raise AdapterError(f"{local}: adapter_model.safetensors holds no LoRA weights")
+    weights = {}
+    for (layer, module), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{local}: layer {layer} {module} lacks lora_{'B' if 'A' in ab else 'A'}")
+        fan_in, fan_out = layout[module]
+        a, b = ab["A"], ab["B"]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise AdapterError(
+                f"{local}: layer {layer} {module} has A{tuple(a.shape)} B{tuple(b.shape)}, the base model needs "
+                f"A({rank}, {fan_in}) B({fan_out}, {rank}); was it trained on another base model?"
+            )
+        weights[(layer, module)] = (a.float(), b.float())
+    return HostAdapter(rank=rank, scale=scale, weights=weights)
+
+
+def _step_of(name: str, base: str) -> int | None:
+    if name.startswith(base + "@"):
+        tail = name[len(base) + 1 :]
+        if tail.isdigit():
+            return int(tail)
+    return None
+
+
+class AdapterRegistry:
+    """Names -> adapters, thread-safe. `layout`/`num_layers`/`max_rank` describe what the base model accepts."""
+
+    def __init__(self, base_names: list[str], layout: dict[str, tuple[int, int]], num_layers: int,
+                 max_rank: int, cache_dir: Path, max_cpu_loras: int = 16):
+        self.base_names = list(base_names)
+        self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
+        self.cache_dir = Path(cache_dir)
+        self.max_cpu_loras = max(1, max_cpu_loras)
+        self._entries: dict[str, AdapterEntry] = {}
+        self._host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self._uids = 0
+        self._lock = threading.Lock()
+
+    def load(self, name: str, path: str, replace: bool = False) -> AdapterEntry:
+        """Register `name` -> adapter at `path` (fetched and checked now, so errors surface to the caller)."""
+        if not name or any(c.isspace() for c in name) or len(name) > 200:
+            raise AdapterError(f"lora_name {name!r}: must be 1-200 characters without spaces")
+        if name in self.base_names:
+            raise AdapterError(f"lora_name {name!r} is the base model's name")
+        with self._lock:
+            old = self._entries.get(name)
+        if old is not None and not replace:
+            if old.source == path:
+                return old
+            raise AdapterError(f"adapter {name!r} is already loaded from {old.source!r}; unload it first "
+                               "(or pass load_inplace=true)")
+        local = fetch_adapter(path, self.cache_dir / "adapters")
+        host = read_adapter(local, self.layout, self.num_layers, self.max_rank)
+        with self._lock:
+            self._uids += 1
+            entry = AdapterEntry(uid=self._uids, name=name, source=path, local_path=local, rank=host.rank)
+            prev = self._entries.get(name)
+            if prev is not None:
+                self._host.pop(prev.uid, None)
+            self._entries[name] = entry
+            self._remember(entry.uid, host)
+        return entry
+
+    def unload(self, name: str) -> AdapterEntry:
+        """Forget `name`; raises UnknownModel listing what exists."""
+        with self._lock:
+            entry = self._entries.pop(name, None)
+            if entry is None:
+                raise UnknownModel(name, self._names_locked())
+            self._host.pop(entry.uid, None)
+            return entry
+
+    def resolve(self, model: str) -> AdapterEntry | None:
+        """The adapter a request's `model` means (None: the base model)."""
+        with self._lock:
+            if model in self.base_names:
+                return None
+            if model in self._entries:
+                return self._entries[model]
+            steps = [(s, e) for n, e in self._entries.items() if (s := _step_of(n, model)) is not None]
+            if steps:
+                return max(steps, key=lambda t: t[0])[1]
+            raise UnknownModel(model, self._names_locked())
+
+    def names(self) -> list[str]:
+        """Base model names first, then adapters in load order."""
+        with self._lock:
+            return self._names_locked()
+
+    def _names_locked(self) -> list[str]:
+        return self.base_names + list(self._entries)
+
+    def entries(self) -> list[AdapterEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def is_live(self, uid: int) -> bool:
+        with self._lock:
+            return any(e.uid == uid for e in self._entries.values())
+
+    def host_weights(self, entry: AdapterEntry) -> HostAdapter:
+        """The adapter's weights (re-read from its local copy if they were dropped from host memory)."""
+        with self._lock:
+            host = self._host.get(entry.uid)
+            if host is not None:
+                self._host.move_to_end(entry.uid)
+                return host
+        host = read_adapter(entry.local_path, self.layout, self.num_layers, self.max_rank)
+        with self._lock:
+            self._remember(entry.uid, host)
+        return host
+
+    def _remember(self, uid: int, host: HostAdapter) -> None:
+        self._host[uid] = host
+        self._host.move_to_end(uid)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)

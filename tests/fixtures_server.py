@@ -1,0 +1,106 @@
+"""Server fixtures: the embedded server on tiny-random (with an API key), and LoRA adapters made with peft."""
+
+from __future__ import annotations
+
+import pytest
+
+API_KEY = "test-key-123"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_ANSWER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_path):
+    """(model, tokenizer) of tiny-random, for teacher-forced reference passes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def _lora(model, seed: int):
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"])
+    return get_peft_model(copy.deepcopy(model), config)
+
+
+@pytest.fixture(scope="session")
+def random_adapter(tiny_hf, tmp_path_factory):
+    """(folder, peft model) of a LoRA with nonzero random B: it changes the model's outputs."""
+    import torch
+
+    peft_model = _lora(tiny_hf[0], seed=1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp("adapter-random")
+    peft_model.save_pretrained(folder)
+    return folder, peft_model.eval()
+
+
+@pytest.fixture(scope="session")
+def tool_model_path(tiny_hf, tmp_path_factory):
+    """tiny-random fine-tuned (~80 Adam steps, about a second) to answer TOOL_QUESTION with TOOLS by calling
+    get_weather(Paris): a real model whose real output is a tool call. (A LoRA does not learn it as quickly.)"""
+    import copy
+
+    import torch
+
+    from backends.models import TOOL_CHAT_TEMPLATE
+
+    base, tok = tiny_hf
+    prompt = tok.apply_chat_template(TOOL_QUESTION, tools=TOOLS, chat_template=TOOL_CHAT_TEMPLATE,
+                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    target = tok(TOOL_ANSWER + tok.eos_token, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([list(prompt) + target])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    torch.manual_seed(0)
+    model = copy.deepcopy(base).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.02:
+            break
+    folder = tmp_path_factory.mktemp("tiny-tools")
+    model.eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model_path):
+    from backends.server import start_server
+
+    handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_path):
+    """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY."""
+    from backends.server import start_server
+
+    handle = start_server("tiny-random", api_key=API_KEY)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def client(tiny_server):
+    """A real openai.AsyncOpenAI client for tiny_server (no retries)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=tiny_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
