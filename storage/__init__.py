@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .errors import CorruptManifestError, HashMismatchError, NotFoundError, StorageError
+from .errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
 from .names import InvalidNameError, safe_relpath, validate_name
 
 _LAZY = {
@@ -20,6 +20,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AlreadyExistsError",
     "CorruptManifestError",
     "FileEntry",
     "HashMismatchError",

@@ -11,6 +11,10 @@ class NotFoundError(StorageError):
     """The file or step asked for does not exist (the bucket does; a missing bucket is a plain StorageError)."""
 
 
+class AlreadyExistsError(StorageError):
+    """An exclusive create found the file already there (e.g. another writer committed the step first)."""
+
+
 class CorruptManifestError(StorageError):
     """A step manifest exists but cannot be parsed or validated; the step does not count as committed."""
 

@@ -13,6 +13,7 @@ redacted from every message.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -22,9 +23,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import NotFoundError, StorageError
+from .errors import AlreadyExistsError, NotFoundError, StorageError
 from .names import is_temp_name
 
 CHUNK = 4 * 2**20
@@ -86,7 +88,7 @@ class Location:
         try:
             self.fs, self.path = fsspec.core.url_to_fs(self.url, **options)
         except Exception as exc:  # noqa: BLE001 - bad protocol or options
-            raise StorageError(f"cannot open storage root {self.url}: {self._cause(exc)}") from None
+            raise StorageError(self.redact(f"cannot open storage root {self.url}: {self._cause(exc)}")) from None
         self.path = self.path.rstrip("/") if self.path not in ("", "/") else self.path
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_s3 = self.protocol in ("s3", "s3a")
@@ -150,11 +152,20 @@ class Location:
         return self.path.split("/", 1)[0]
 
     def check_bucket(self) -> None:
-        """On S3, after a 'not found', make sure it is not the bucket that is missing (checked once)."""
+        """On S3, after a 'not found', make sure it is not the bucket that is missing (checked once).
+
+        The probe lists at most one key under the root's prefix; a policy that forbids even that
+        cannot tell, so an access-denied probe is let pass (the 'not found' stands).
+        """
         if not self.is_s3 or self._bucket_checked:
             return
-        with self.wrap("access", ""):
-            self.fs.call_s3("list_objects_v2", Bucket=self.bucket, MaxKeys=1)
+        prefix = self.path.split("/", 1)[1] + "/" if "/" in self.path else ""
+        try:
+            with self.wrap("access", ""):
+                self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+        except StorageError as exc:
+            if not isinstance(exc.__context__, PermissionError) and "access denied" not in str(exc):
+                raise
         self._bucket_checked = True
 
     def _not_found(self, action: str, rel: str) -> NotFoundError:
@@ -162,11 +173,17 @@ class Location:
         return NotFoundError(f"cannot {action} {self.url_of(rel)}: it does not exist")
 
     # ---- writes ----------------------------------------------------------------------------
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Atomic write (see module docstring)."""
+    def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> None:
+        """Atomic write (see module docstring). ``exclusive``: raise AlreadyExistsError if the file exists
+        (S3: a conditional PUT, ``If-None-Match: *``; local: a hard link, which never replaces)."""
         with self.wrap("write", rel):
             if self.is_local:
-                self._local_atomic(rel, lambda f: f.write(data))
+                self._local_atomic(rel, lambda f: f.write(data), exclusive)
+            elif exclusive:
+                try:
+                    self.fs.pipe_file(self.full(rel), data, mode="create")
+                except FileExistsError:
+                    raise AlreadyExistsError(f"cannot create {self.url_of(rel)}: it already exists") from None
             else:
                 self.fs.pipe_file(self.full(rel), data)
 
@@ -181,7 +198,7 @@ class Location:
             else:
                 self.fs.put_file(local_path, self.full(rel))
 
-    def _local_atomic(self, rel: str, fill) -> None:
+    def _local_atomic(self, rel: str, fill, exclusive: bool = False) -> None:
         target = self.fs._strip_protocol(self.full(rel))
         folder, name = os.path.split(target)
         os.makedirs(folder, exist_ok=True)
@@ -191,7 +208,14 @@ class Location:
                 fill(f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
+            if exclusive:
+                try:
+                    os.link(tmp, target)  # never replaces an existing file
+                except FileExistsError:
+                    raise AlreadyExistsError(f"cannot create {self.url_of(rel)}: it already exists") from None
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, target)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -210,31 +234,39 @@ class Location:
             self.fs.invalidate_cache(self.path)
 
     # ---- reads -----------------------------------------------------------------------------
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, small: bool = False) -> bytes:
+        """Read a whole file. ``small`` (manifests, configs): on S3 one GET, without the size probe."""
+        kwargs = {"max_concurrency": 1} if small and self.is_s3 else {}
         try:
             with self.wrap("read", rel):
-                return self.fs.cat_file(self.full(rel))
+                return self.fs.cat_file(self.full(rel), **kwargs)
         except NotFoundError:
             raise self._not_found("read", rel) from None
 
     def read_many(self, rels: list[str]) -> dict[str, bytes | StorageError]:
         """Read several files at once (concurrently on S3); each value is the bytes or the error."""
-        if not rels:
-            return {}
         fulls = [self.full(r) for r in rels]
-        with self.wrap("read", rels[0].rsplit("/", 1)[0]):
-            got = self.fs.cat(fulls, on_error="return")
-        if len(fulls) == 1 and not isinstance(got, dict):
-            got = {fulls[0]: got}
-        out: dict[str, bytes | StorageError] = {}
-        for rel, full in zip(rels, fulls):
-            value = got.get(full, got.get(self.fs._strip_protocol(full)))
-            if isinstance(value, (bytes, bytearray)):
-                out[rel] = bytes(value)
-            elif value is None:
-                out[rel] = NotFoundError(f"cannot read {self.url_of(rel)}: it does not exist")
+        with self.wrap("read", rels[0].rsplit("/", 1)[0] if rels else ""):
+            if isinstance(self.fs, AsyncFileSystem):
+                async def gather() -> list:
+                    out: list = []
+                    for i in range(0, len(fulls), 64):
+                        kwargs = {"max_concurrency": 1} if self.is_s3 else {}  # small files: one GET each
+                        batch = [self.fs._cat_file(f, **kwargs) for f in fulls[i : i + 64]]
+                        out += await asyncio.gather(*batch, return_exceptions=True)
+                    return out
+
+                values = sync(self.fs.loop, gather)
             else:
-                out[rel] = self.error("read", rel, value)
+                values = []
+                for full in fulls:
+                    try:
+                        values.append(self.fs.cat_file(full))
+                    except Exception as exc:  # noqa: BLE001 - reported per file below
+                        values.append(exc)
+        out: dict[str, bytes | StorageError] = {}
+        for rel, value in zip(rels, values):
+            out[rel] = bytes(value) if isinstance(value, (bytes, bytearray)) else self.error("read", rel, value)
         if any(isinstance(v, NotFoundError) for v in out.values()):
             self.check_bucket()
         return out
@@ -260,7 +292,12 @@ class Location:
         with self.wrap("check", rel):
             if not self.is_local:
                 self.fs.invalidate_cache(self.full(rel))
-            found = self.fs.isfile(self.full(rel))
+            try:  # not fs.isfile: it answers False to every error, wrong credentials included
+                found = self.fs.info(self.full(rel)).get("type") == "file"
+            except FileNotFoundError as exc:
+                if self.is_s3 and "bucket does not exist" in str(exc).lower():
+                    raise
+                found = False
         if not found:
             self.check_bucket()
         return found

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptManifestError, HashMismatchError, NotFoundError, StorageError
+from .errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
 from .fs import Location, normalize_root, sha256_bytes, sha256_local
 from .layout import MANIFEST, RUN_CONFIG, STEPS_DIR, check_step, file_rel, manifest_rel, parse_step_dir, step_dir
 from .manifest import FileEntry, StepManifest, check_extra, check_metrics, now_iso, parse_manifest, trajflow_version
@@ -66,7 +66,7 @@ class RunStore:
     def read_run_config(self) -> dict | None:
         """The run's config, or None when ``run.json`` does not exist."""
         try:
-            data = self._loc.read_bytes(RUN_CONFIG)
+            data = self._loc.read_bytes(RUN_CONFIG, small=True)
         except NotFoundError:
             return None
         return self._parse_json(data, RUN_CONFIG)
@@ -104,7 +104,7 @@ class RunStore:
         """The manifest of a committed step; NotFoundError if uncommitted, CorruptManifestError if invalid."""
         rel = manifest_rel(step)
         try:
-            data = self._loc.read_bytes(rel)
+            data = self._loc.read_bytes(rel, small=True)
         except NotFoundError:
             raise NotFoundError(f"step {step} is not committed: {self._loc.url_of(rel)} does not exist") from None
         return parse_manifest(data, self._loc.url_of(rel), step)
@@ -317,6 +317,10 @@ class RunStore:
         for rel, size in sorted(self._loc.find(base).items()):
             if rel == MANIFEST:
                 continue
+            try:
+                safe_relpath(rel)
+            except InvalidNameError as exc:
+                raise StorageError(f"cannot commit step {step}: stored file {self._loc.url_of(f'{base}/{rel}')} has an unsafe name: {exc}") from None
             known = self._written.get(f"{base}/{rel}")
             if known and known[1] == size:
                 sha = known[0]
@@ -340,16 +344,26 @@ class RunStore:
             metrics=check_metrics(metrics),
             extra=check_extra(extra),
         )
-        existing = self._manifest_or_none(step)
-        if existing is not None:
-            if existing.content_key() == manifest.content_key():
-                return existing
-            raise StorageError(
-                f"cannot commit step {step}: {self._loc.url_of(manifest_rel(step))} already commits it with "
-                f"different content ({self._difference(existing, manifest)})"
-            )
-        self._loc.write_bytes(manifest_rel(step), manifest.to_bytes())
-        return manifest
+        try:
+            existing, absent = self.read_manifest(step), False
+        except NotFoundError:
+            existing, absent = None, True
+        except CorruptManifestError as exc:
+            log.warning("step %d: replacing a corrupt manifest: %s", step, exc)
+            existing, absent = None, False
+        if existing is None:
+            try:
+                # exclusive when absent: of two writers committing the same step, one wins
+                self._loc.write_bytes(manifest_rel(step), manifest.to_bytes(), exclusive=absent)
+                return manifest
+            except AlreadyExistsError:
+                existing = self.read_manifest(step)
+        if existing.content_key() == manifest.content_key():
+            return existing
+        raise StorageError(
+            f"cannot commit step {step}: {self._loc.url_of(manifest_rel(step))} already commits it with "
+            f"different content ({self._difference(existing, manifest)})"
+        )
 
     @staticmethod
     def _difference(old: StepManifest, new: StepManifest) -> str:

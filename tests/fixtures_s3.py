@@ -55,10 +55,15 @@ def _boto_client(service: str, endpoint: str, key: str = DUMMY_KEY, secret: str 
     )
 
 
+@pytest.fixture(scope="session")
+def _moto_s3_client(moto_endpoint):
+    return _boto_client("s3", moto_endpoint)  # explicit endpoint and keys: independent of the environment
+
+
 @pytest.fixture
-def s3_client(s3_endpoint):
+def s3_client(s3_endpoint, _moto_s3_client):
     """A plain boto3 S3 client on the moto server, for out-of-band reads and writes in tests."""
-    return _boto_client("s3", s3_endpoint)
+    return _moto_s3_client
 
 
 @pytest.fixture

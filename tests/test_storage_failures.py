@@ -60,7 +60,14 @@ def test_wrong_credentials_are_refused_clearly_without_leaking_secrets(s3_bucket
     }
     for case, options in cases.items():
         store = RunStore(root, "proj", "run", storage_options=options)
-        for call in (store.committed_steps, lambda: store.get_bytes(0, "a.txt"), lambda: store.put_bytes(1, "b.txt", b"B")):
+        calls = (
+            store.committed_steps,
+            lambda: store.get_bytes(0, "a.txt"),
+            lambda: store.put_bytes(1, "b.txt", b"B"),
+            lambda: store.exists(0, "a.txt"),
+            store.read_run_config,
+        )
+        for call in calls:
             with pytest.raises(StorageError) as info:
                 call()
             msg = str(info.value)
@@ -148,13 +155,15 @@ def test_exception_while_writing_the_manifest(store_root, adapter_src, tmp_path,
 
             patch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
         else:
-            original_replace = os.replace
+            # the manifest's temporary file is complete; the final rename (or exclusive link) fails
+            for name in ("replace", "link"):
+                original_op = getattr(os, name)
 
-            def replace(src, dst):
-                refuse(os.fspath(dst))
-                return original_replace(src, dst)
+                def op(src, dst, _original=original_op, **kwargs):
+                    refuse(os.fspath(dst))
+                    return _original(src, dst, **kwargs)
 
-            patch.setattr(os, "replace", replace)
+                patch.setattr(os, name, op)
 
         with pytest.raises(StorageError, match=r"cannot write .*/proj/run/steps/00001/manifest.json: .*connection reset"):
             store.commit(1, {"reward": 2.0})
@@ -189,12 +198,13 @@ CHILD = textwrap.dedent(
             return await original(self, method, *args, **kwargs)
         s3fs.S3FileSystem._call_s3 = call_s3
     elif phase == "manifest":
-        original_replace = os.replace
-        def replace(a, b):
-            if os.fspath(b).endswith("/steps/00001/manifest.json"):
-                die()  # the manifest's temporary file is complete on disk, the rename never happens
-            return original_replace(a, b)
-        os.replace = replace
+        def guarded(original):
+            def op(a, b, **kwargs):
+                if os.fspath(b).endswith("/steps/00001/manifest.json"):
+                    die()  # the manifest's temporary file is complete on disk, it never gets its name
+                return original(a, b, **kwargs)
+            return op
+        os.replace, os.link = guarded(os.replace), guarded(os.link)
     else:
         def copyfileobj(fsrc, fdst, length=0):
             fdst.write(fsrc.read(50_000))

@@ -273,3 +273,27 @@ def test_corrupt_and_truncated_manifests(store_root, raw_storage, caplog):
     fresh.commit(3, {"reward": 3.0})
     assert fresh.committed_steps() == [0, 3]
     assert fresh.get_bytes(3, "a.txt", verify=True) == b"step 3"
+
+
+def test_two_writers_committing_the_same_step(store_root, monkeypatch):
+    """The manifest is created exclusively: when another writer committed first, the loser compares."""
+    winner, loser = RunStore(store_root, "proj", "run"), RunStore(store_root, "proj", "run")
+    winner.put_bytes(0, "a.txt", b"A")
+    first = winner.commit(0, {"reward": 1.0})
+    real_read = loser.read_manifest
+    calls: list[int] = []
+
+    def stale_first_read(step):  # the loser looked before the winner's manifest landed
+        calls.append(step)
+        if len(calls) == 1:
+            raise NotFoundError("not yet")
+        return real_read(step)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loser, "read_manifest", stale_first_read)
+        assert loser.commit(0, {"reward": 1.0}) == first  # identical content: the winner's manifest is returned
+        assert len(calls) == 2
+        calls.clear()
+        with pytest.raises(StorageError, match="already commits it with different content .*metrics differ"):
+            loser.commit(0, {"reward": 2.0})
+    assert winner.read_manifest(0) == first
