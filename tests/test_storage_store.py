@@ -297,3 +297,28 @@ def test_two_writers_committing_the_same_step(store_root, monkeypatch):
         with pytest.raises(StorageError, match="already commits it with different content .*metrics differ"):
             loser.commit(0, {"reward": 2.0})
     assert winner.read_manifest(0) == first
+
+
+def test_listings_see_changes_made_by_other_writers(store_root, raw_storage):
+    """s3fs caches listings; the store invalidates them, so out-of-band writes and deletes show at once."""
+    store = RunStore(store_root, "proj", "run")
+    store.put_bytes(0, "a.txt", b"A")
+    store.commit(0)
+    assert store.list_files(0) == ["a.txt"] and store.committed_steps() == [0]
+    raw_storage.write("proj/run/steps/00000/b.txt", b"B")
+    raw_storage.write("proj/run/steps/00001/x.txt", b"X")
+    raw_storage.write("proj/run/steps/00001/manifest.json", raw_storage.read("proj/run/steps/00000/manifest.json").replace(b'"step": 0', b'"step": 1'))
+    assert store.list_files(0) == ["a.txt", "b.txt"]
+    assert store.exists(0, "b.txt")
+    assert store.committed_steps() == [0, 1]
+    raw_storage.delete("proj/run/steps/00000/manifest.json")
+    assert store.committed_steps() == [1]
+    assert not store.exists(0, "zzz.txt")
+
+
+async def test_usable_from_async_code(store_root):
+    """Called from a running event loop (as async tasks do), the blocking API still works on both backends."""
+    store = RunStore(store_root, "proj", "run")
+    store.put_json(0, "x.json", {"a": 1})
+    store.commit(0)
+    assert store.get_json(0, "x.json") == {"a": 1} and store.committed_steps() == [0]
