@@ -365,6 +365,15 @@ class RunStore:
             f"different content ({self._difference(existing, manifest)})"
         )
 
+    def amend_metrics(self, step: int, metrics: dict[str, float]) -> StepManifest:
+        """Merge metrics into a committed step's manifest (e.g. validation metrics logged after the
+        update); rewritten atomically, files untouched. NotFoundError if the step is not committed."""
+        new_metrics = check_metrics(metrics)
+        manifest = self.read_manifest(step)
+        updated = manifest.model_copy(update={"metrics": {**manifest.metrics, **new_metrics}})
+        self._loc.write_bytes(manifest_rel(step), updated.to_bytes())
+        return updated
+
     @staticmethod
     def _difference(old: StepManifest, new: StepManifest) -> str:
         parts = []

@@ -322,3 +322,18 @@ async def test_usable_from_async_code(store_root):
     store.put_json(0, "x.json", {"a": 1})
     store.commit(0)
     assert store.get_json(0, "x.json") == {"a": 1} and store.committed_steps() == [0]
+
+
+def test_amend_metrics_of_a_committed_step(store_root):
+    store = RunStore(store_root, "proj", "run")
+    store.put_bytes(2, "a.txt", b"A")
+    first = store.commit(2, {"train/loss": 0.5}, {"policy": "m@2"})
+    amended = store.amend_metrics(2, {"val/reward": 0.75, "train/loss": 0.25})
+    again = RunStore(store_root, "proj", "run").read_manifest(2)
+    assert again == amended
+    assert again.metrics == {"train/loss": 0.25, "val/reward": 0.75}
+    assert again.files == first.files and again.extra == first.extra and again.created_at == first.created_at
+    with pytest.raises(NotFoundError, match="step 3 is not committed"):
+        store.amend_metrics(3, {"val/reward": 1.0})
+    with pytest.raises(ValueError, match="must be a number"):
+        store.amend_metrics(2, {"val/reward": "high"})
