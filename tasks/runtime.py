@@ -12,7 +12,6 @@ import os
 import threading
 
 from agents.client import policy_client
-from agents.registry import get_agent
 from backends import policy_store
 from storage.store import RunStore
 
@@ -36,6 +35,8 @@ class Runtime:
     def __init__(self, config: RunConfig):
         self.config = config
         self.store = RunStore(config.storage, config.project, config.run)
+        from agents.registry import get_agent
+
         self.agent = get_agent(config.agent, **config.agent_options)
         self._server = None
         self._trainer = None
