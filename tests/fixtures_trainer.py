@@ -105,3 +105,15 @@ def tool_conversation(tiny_lm):
     t3 = sample_turn(model, tok, p3, max_new_tokens=5, seed=3)
     traj.messages_and_choices.append(t3)
     return {"trajectory": traj, "turns": (t1, t2, t3), "prompts": (p1, p2, p3), "tool_call_ids": call_ids}
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test's tiny-model math on one thread (restored after): on a shared 2-core machine this
+    avoids thread oversubscription, which slows these small matmuls down several times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
