@@ -1,0 +1,69 @@
+"""The training flow in-process on a real Prefect API (test harness), tiny-random, local storage."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.rollouts import RolloutFailures
+from tasks.run_config import load_config
+from storage.store import RunStore
+
+
+def _config(tmp_path, **overrides):
+    sets = [f"storage={tmp_path / 'runs'}", "agent=tests.flow_agents:EchoAgent", "steps=2",
+            "groups_per_step=2", "group_size=3"]
+    sets += [f"{k}={v}" for k, v in overrides.items()]
+    return load_config("configs/tiny.yaml", sets)
+
+
+def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_path):
+    from flows.train import train
+
+    config = _config(tmp_path, eval_every=2, eval_at_start="true")
+    result = train(config)
+    store = RunStore(config.storage, config.project, config.run)
+    assert store.committed_steps() == [0, 1, 2] and result["step"] == 2
+    m2 = store.read_manifest(2).metrics
+    for key in ("train/reward", "train/loss", "val/reward", "time/step_s", "publish/probe_max_abs_diff"):
+        assert key in m2, key
+    assert m2["publish/probe_max_abs_diff"] <= config.inference.probe_tolerance
+    assert "val/reward" in store.read_manifest(0).metrics
+    assert store.get_bytes(None, "reward_curve.png").startswith(b"\x89PNG")
+    assert len(store.read_groups(2, "scored.parquet")) == 2
+    # the same config again: nothing to do; one more step: continues from the stored checkpoint
+    assert train(config)["step"] == 2
+    assert train(config.model_copy(update={"steps": 3}))["step"] == 3
+    assert store.committed_steps() == [0, 1, 2, 3]
+
+
+def test_changed_identity_is_refused(prefect_api, tmp_path, tiny_model_path):
+    from flows.train import train
+
+    config = _config(tmp_path, steps=0)
+    train(config)
+    with pytest.raises(ValueError, match="group_size"):
+        train(config.model_copy(update={"group_size": 5}))
+
+
+def test_failed_rollouts_and_nan_rewards_are_recorded_not_trained(prefect_api, tmp_path, tiny_model_path):
+    from flows.train import train
+
+    config = _config(tmp_path, steps=1, group_size=4, **{"agent_options.fail_every": 5,
+                                                          "agent_options.nan_every": 3})
+    train(config)
+    store = RunStore(config.storage, config.project, config.run)
+    groups = store.read_groups(1, "scored.parquet")
+    exceptions = [e for g in groups for e in g.exceptions]
+    assert exceptions and all("simulated tool crash" in e.message for e in exceptions)
+    nan_marked = [t for g in groups for t in g.trajectories if t.error]
+    assert nan_marked and all("finite" in t.error for t in nan_marked)
+    assert store.read_manifest(1).metrics["train/failed"] == len(exceptions) + len(nan_marked)
+
+
+def test_too_many_failures_fail_the_step_with_the_first_errors(prefect_api, tmp_path, tiny_model_path):
+    from flows.train import train
+
+    config = _config(tmp_path, steps=1, agent="tests.flow_agents:AlwaysFails")
+    with pytest.raises(RolloutFailures, match="cannot answer train-"):
+        train(config)
+    assert RunStore(config.storage, config.project, config.run).committed_steps() == [0]
