@@ -30,8 +30,6 @@ n_j trained tokens in trajectory j and N in the step:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
 from .rows import TrainingRow
@@ -93,19 +91,27 @@ def gspo_loss(logp, old, adv, row_index, eps, eps_high):
     return -torch.minimum(unclipped, clipped_obj), seq_ratio, clipped
 
 
-@dataclass
 class LossResult:
-    """The micro-batch loss (sum_t w_t l_t, to backward) and sums for the step's metrics."""
+    """The micro-batch loss (sum_t w_t l_t, to backward) and sums for the step's metrics.
 
-    loss: torch.Tensor
-    tokens: int
-    clipped: float
-    ratio_sum: float
-    ratio_min: float
-    ratio_max: float
-    mismatch_k3_sum: float  # sum of r - 1 - log r, r = pi_theta / pi_sampler (KL(sampler||trainer) estimate)
-    mismatch_abs_sum: float  # sum of |logp - sampler logp|
-    tis_weight_sum: float
+    The metric sums stay on the device until first read (one sync for all of them), so a caller can
+    launch ``loss.backward()`` before waiting for them.
+    """
+
+    NAMES = ("clipped", "ratio_sum", "ratio_min", "ratio_max", "mismatch_k3_sum", "mismatch_abs_sum",
+             "tis_weight_sum")
+    # mismatch_k3_sum: sum of r - 1 - log r, r = pi_theta / pi_sampler (a KL(sampler || trainer) estimate)
+    # mismatch_abs_sum: sum of |logp - sampler logp|
+
+    def __init__(self, loss: torch.Tensor, tokens: int, stats: torch.Tensor):
+        self.loss, self.tokens, self._stats, self._values = loss, tokens, stats, None
+
+    def __getattr__(self, name: str) -> float:
+        if name in LossResult.NAMES:
+            if self._values is None:
+                self._values = dict(zip(LossResult.NAMES, self._stats.tolist()))
+            return self._values[name]
+        raise AttributeError(name)
 
 
 def policy_loss(
@@ -145,5 +151,5 @@ def policy_loss(
     stats = torch.stack([
         clipped.float().sum(), ratio.float().sum(), ratio.float().min(), ratio.float().max(),
         (mismatch_ratio - 1.0 - log_mismatch).sum(), log_mismatch.abs().sum(), tis_w.sum(),
-    ]).tolist()  # one device sync for all metrics
-    return LossResult(total, int(logp.numel()), *stats)
+    ]).detach()
+    return LossResult(total, int(logp.numel()), stats)

@@ -34,6 +34,7 @@ from agents.trajectory import TrajectoryGroup
 from .advantages import kl_shaping
 from .checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
 from .logprobs import chunked_logprobs
+from .memory_efficient_ops import patch_model
 from .losses import assign_aggregation_weights, policy_loss
 from .packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
 from .rows import TrainingRow, build_rows
@@ -69,7 +70,7 @@ class _StepStats:
         self.tis = self.entropy = 0.0
         self.ratio_min, self.ratio_max = math.inf, -math.inf
 
-    def add(self, res, entropy: torch.Tensor) -> None:
+    def add(self, res, entropy_sum: torch.Tensor) -> None:
         self.loss += float(res.loss.detach())
         self.tokens += res.tokens
         self.clipped += res.clipped
@@ -79,7 +80,7 @@ class _StepStats:
         self.k3 += res.mismatch_k3_sum
         self.absdiff += res.mismatch_abs_sum
         self.tis += res.tis_weight_sum
-        self.entropy += float(entropy.sum())
+        self.entropy += float(entropy_sum)
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1)
@@ -135,6 +136,11 @@ class GRPOTrainer:
         self._lm = self.model.get_base_model()
         self._lm.config.use_cache = False
         self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
+        self.patched_ops = patch_model(self._lm) if config.memory_efficient_ops and self.backend == "peft" else {}
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
+                if hasattr(m, "cast_input_dtype_enabled"):
+                    m.cast_input_dtype_enabled = False
         if config.gradient_checkpointing and self.backend == "peft":
             self._enable_checkpointing(config.checkpoint_layer_fraction)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -237,15 +243,18 @@ class GRPOTrainer:
         acc = _StepStats()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        done = []
         for mb in batches:
             logp, entropy = self._token_logprobs(mb)
             res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
                               loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap)
-            if not torch.isfinite(res.loss):
+            res.loss.backward()
+            done.append((mb, res, entropy.sum()))  # read after the loop: no host sync between micro-batches
+        for mb, res, entropy_sum in done:
+            if not math.isfinite(float(res.loss.detach())):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite loss ({float(res.loss)}) in the micro-batch of: {mb.sources()}")
-            res.loss.backward()
-            acc.add(res, entropy)
+            acc.add(res, entropy_sum)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

@@ -30,6 +30,7 @@ def _tool_group(tool_conversation):
 
 def test_trainer_logprobs_match_the_sampler_token_for_token(tiny_model_path, tool_conversation):
     trainer = _trainer(tiny_model_path)
+    assert trainer.packed and trainer.patched_ops == {"rms_norm": 5, "swiglu": 2}  # 2 layers + final norm
     t1, t2, t3 = tool_conversation["turns"]
     p1 = tool_conversation["prompts"][0]
     # a fresh adapter is a no-op (B = 0): the trainer must reproduce generate()'s logprobs exactly
@@ -53,18 +54,42 @@ def test_packed_micro_batches_and_checkpointing_give_the_same_step(tiny_model_pa
         "packed": dict(micro_batch_tokens=4096),
         "one_row_each": dict(micro_batch_tokens=2),
         "checkpointed": dict(micro_batch_tokens=64, gradient_checkpointing=True, checkpoint_layer_fraction=0.5),
+        "stock_ops": dict(micro_batch_tokens=4096, memory_efficient_ops=False),
     }.items():
         trainer = _trainer(tiny_model_path, learning_rate=1e-3, **cfg)
         results[name] = (trainer.train_step(groups), _lora_state(trainer))
     ref_m, ref_w = results["one_row_each"]
     assert ref_m["micro_batches"] == ref_m["rows"] == 8
-    for name in ("packed", "checkpointed"):
+    for name in ("packed", "checkpointed", "stock_ops"):
         m, w = results[name]
         assert m["micro_batches"] < ref_m["micro_batches"]
         for key in ("loss", "grad_norm", "entropy", "trained_tokens", "mismatch_kl"):
             assert m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-7), (name, key)
         for n in ref_w:
             assert torch.allclose(w[n], ref_w[n], atol=1e-6), (name, n)
+
+
+def test_memory_efficient_ops_match_autograd():
+    from backends.memory_efficient_ops import rms_norm, silu_mul
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_()
+    up = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    upstream = torch.randn(3, 5, 16, generator=g)
+
+    def stock_norm(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    for ours, stock, inputs in ((lambda: rms_norm(x, w, 1e-6), lambda: stock_norm(x, w), (x, w)),
+                                (lambda: silu_mul(x, up), lambda: torch.nn.functional.silu(x) * up, (x, up))):
+        a = ours()
+        grads_a = torch.autograd.grad((a * upstream).sum(), inputs)
+        b = stock()
+        grads_b = torch.autograd.grad((b * upstream).sum(), inputs)
+        assert torch.equal(a, b)
+        for ga, gb in zip(grads_a, grads_b):
+            assert torch.allclose(ga, gb, atol=1e-5)
 
 
 def test_nothing_trainable_takes_no_step(tiny_model_path):
@@ -82,6 +107,15 @@ def test_nothing_trainable_takes_no_step(tiny_model_path):
                           scenario_id="oov")
     with pytest.raises(ValueError, match=r"scenario oov\), trajectory 0.*outside the model's vocabulary"):
         trainer.train_step([bad])
+
+
+def test_non_finite_loss_is_an_error_and_no_step(tiny_model_path):
+    trainer = _trainer(tiny_model_path)
+    with torch.no_grad():
+        next(p for n, p in trainer.model.named_parameters() if "down_proj.lora_B" in n).fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match=r"non-finite loss .*scenario nan-step\), trajectory 0"):
+        trainer.train_step([synthetic_group([0.0, 1.0], scenario_id="nan-step")])
+    assert trainer.step == 0
 
 
 def test_losses_and_kl_shaping_run(tiny_model_path):
