@@ -147,9 +147,11 @@ class LoraSlots:
         return {m: (cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1)).to(self.dtype)
                 for m, cs in self._col_slot.items()}
 
-    def delta(self, layer: int, group: str, x: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
-        """LoRA contribution of `group` at `layer` for rows `x` [N, in] -> [N, out_total]."""
+    def factors(self, layer: int, group: str, x: torch.Tensor,
+                masks: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, B) with h = (x @ A_g) * mask, so that the LoRA contribution of `group` at `layer` for rows `x`
+        [N, in] is ``h @ B`` [N, out_total] (added by the caller, with addmm where it can)."""
         M = len(GROUPS[group])
         mask = masks[M]
         cols = mask.shape[1]
-        return ((x @ self.A[layer][group][:, :cols]) * mask) @ self.B[layer][group][:cols]
+        return (x @ self.A[layer][group][:, :cols]) * mask, self.B[layer][group][:cols]

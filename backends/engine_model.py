@@ -45,14 +45,20 @@ class ProjGroup:
         else:
             self.parts = [(lin.weight.detach(), None if lin.bias is None else lin.bias.detach()) for lin in linears]
 
-    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def fused_output(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[N, out_1 + … + out_M] of a fused group; `lora` = (h, B) adds h @ B (see LoraSlots.factors)."""
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            y.addmm_(*lora)
+        return y
+
+    def __call__(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Outputs of each member for rows `x` [N, in]."""
         if self.fused:
-            y = F.linear(x, self.weight, self.bias)
-            if delta is not None:
-                y = y + delta
-            return list(y.split(self.out_sizes, dim=-1))
+            return list(self.fused_output(x, lora).split(self.out_sizes, dim=-1))
         outs = [F.linear(x, w, b) for w, b in self.parts]
-        if delta is not None:
+        if lora is not None:
+            delta = lora[0] @ lora[1]
             outs = [o + d for o, d in zip(outs, delta.split(self.out_sizes, dim=-1))]
         return outs
 
@@ -75,8 +81,11 @@ def _eps(norm) -> float:
 
 
 def rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """Hugging Face's RMSNorm: weight * (x / sqrt(mean(x^2) + eps)) computed in float32, cast back before the weight."""
+    """Hugging Face's RMSNorm: weight * (x / sqrt(mean(x^2) + eps)) computed in float32, cast back before the weight.
+    On CUDA, torch's fused kernel (one launch instead of six; the weight is applied before the final rounding)."""
     weight, eps = weight_eps
+    if x.is_cuda:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -144,8 +153,8 @@ class DecoderRunner:
         return x * cos + _rotate_half(x) * sin
 
     def _project(self, layer: int, group: str, x: torch.Tensor, masks) -> list[torch.Tensor]:
-        delta = None if masks is None else self.lora.delta(layer, group, x, masks)
-        return self.layers[layer].groups[group](x, delta)
+        lora = None if masks is None else self.lora.factors(layer, group, x, masks)
+        return self.layers[layer].groups[group](x, lora)
 
     def _mlp(self, i: int, x: torch.Tensor, masks) -> torch.Tensor:
         layer = self.layers[i]
@@ -154,15 +163,22 @@ class DecoderRunner:
         (down,) = self._project(i, "down", layer.act(gate) * up, masks)
         return x + down
 
-    def _qkv(self, i: int, h: torch.Tensor, masks, shape: tuple[int, ...]):
-        q, k, v = self._project(i, "qkv", h, masks)
-        q = q.view(*shape, self.num_heads, self.head_dim)
-        k = k.view(*shape, self.num_kv_heads, self.head_dim)
-        v = v.view(*shape, self.num_kv_heads, self.head_dim)
+    def _qkv(self, i: int, h: torch.Tensor, masks, shape: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor):
+        """q, k (rotated) and v as [*shape, heads, head_dim]; cos/sin broadcast against that."""
         layer = self.layers[i]
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        group = layer.groups["qkv"]
+        lora = None if masks is None else self.lora.factors(i, "qkv", h, masks)
+        if group.fused and layer.q_norm is None:
+            # q and k are adjacent columns of the fused output: rotate them with one set of kernels
+            y = group.fused_output(h, lora)
+            qk = self._rope(y[..., : (heads + kv_heads) * d].view(*shape, heads + kv_heads, d), cos, sin)
+            return qk[..., :heads, :], qk[..., heads:, :], y[..., (heads + kv_heads) * d :].view(*shape, kv_heads, d)
+        q, k, v = group(h, lora)
+        q, k, v = q.view(*shape, heads, d), k.view(*shape, kv_heads, d), v.view(*shape, kv_heads, d)
         if layer.q_norm is not None:
             q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
-        return q, k, v
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.final_norm), self.lm_head).float()
@@ -179,8 +195,7 @@ class DecoderRunner:
         cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # [T, 1, D] against [n, T, H, D]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.norm1)
-            q, k, v = self._qkv(i, h, masks, (n, T))
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k, v = self._qkv(i, h, masks, (n, T), cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, H, T, D]
             self.kv.keys(i)[slots, :, :T] = k
             self.kv.values(i)[slots, :, :T] = v
@@ -206,8 +221,7 @@ class DecoderRunner:
         group = self.num_heads // self.num_kv_heads
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.norm1)
-            q, k, v = self._qkv(i, h, masks, (B,))
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k, v = self._qkv(i, h, masks, (B,), cos, sin)
             keys, values = self.kv.keys(i), self.kv.values(i)
             keys[rows, :, pos] = k
             values[rows, :, pos] = v
