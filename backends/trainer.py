@@ -163,6 +163,29 @@ class GRPOTrainer:
         self.metrics_history: list[dict[str, float]] = []
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
 
+    # Fields baked into the model or its wrapping at construction; update_config refuses to change them.
+    FIXED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "backend", "dtype", "seed",
+                    "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops")
+
+    def update_config(self, **overrides) -> TrainerConfig:
+        """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
+
+        The optimizer's hyper-parameters and the schedule's base rate follow; fields in FIXED_FIELDS
+        (adapter shape, dtype, backend, checkpointing) cannot change on a live trainer: error.
+        """
+        new = TrainerConfig.model_validate({**self.config.model_dump(), **overrides})
+        fixed = [f"{k}: {getattr(self.config, k)!r} -> {getattr(new, k)!r}" for k in self.FIXED_FIELDS
+                 if getattr(new, k) != getattr(self.config, k)]
+        if fixed:
+            raise ValueError("cannot change on a live trainer (start a new one): " + "; ".join(fixed))
+        self.config = new
+        self.scheduler.base_lrs = [new.learning_rate for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=new.learning_rate, lr=new.learning_rate * lr_factor(new, self.step),
+                         weight_decay=new.weight_decay, betas=tuple(new.adam_betas), eps=new.adam_eps)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        return new
+
     # --- model plumbing -------------------------------------------------------------------------------
     def _enable_checkpointing(self, fraction: float) -> None:
         from transformers.modeling_layers import GradientCheckpointingLayer

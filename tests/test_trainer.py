@@ -134,6 +134,27 @@ def test_losses_and_kl_shaping_run(tiny_model_path):
         assert second["tis_weight_mean"] > 0
 
 
+def test_update_config_between_steps(tiny_model_path):
+    trainer = _trainer(tiny_model_path, warmup_steps=2)
+    assert trainer.train_step([synthetic_group([0.0, 1.0])])["learning_rate"] == pytest.approx(0.5e-5)
+    trainer.update_config(learning_rate=4e-5, loss="ppo", kl_coef=0.1)
+    m = trainer.train_step([synthetic_group([0.0, 1.0])])
+    assert m["learning_rate"] == pytest.approx(4e-5) and "kl_policy_ref" in m and trainer.config.loss == "ppo"
+    with pytest.raises(ValueError, match="lora_rank: 8 -> 4"):
+        trainer.update_config(lora_rank=4)
+    with pytest.raises(ValueError):
+        trainer.update_config(learning_rate=-1.0)
+    assert trainer.config.learning_rate == 4e-5
+
+
+def test_backend_choice():
+    from backends.unsloth_loader import choose_backend
+
+    assert choose_backend("auto", "cpu") == "peft" and choose_backend("peft", "cuda") == "peft"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        choose_backend("unsloth", "cpu")
+
+
 def test_lr_schedules():
     cos = TrainerConfig(lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     assert [round(lr_factor(cos, s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
