@@ -258,6 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--also-base", action="store_true", help="with --lora-rank, also run the engine on the base")
     ap.add_argument("--transport", choices=["http", "direct"], default="http")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU), for both systems")
     ap.add_argument("--check", action="store_true", help="first check the engine against HF on tiny-random")
     ap.add_argument("--out", required=True, help="JSON results file (a .md summary is written beside it)")
     args = ap.parse_args(argv)
@@ -265,7 +266,9 @@ def main(argv=None) -> int:
     import torch
 
     from backends.engine import Engine, EngineConfig, SamplingParams
-    from backends.engine_chat import ChatRequest, render_prompt  # noqa: F401 - import check for direct mode
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     check = correctness_check(args.device) if args.check else None
     t_setup = time.perf_counter()
@@ -373,7 +376,8 @@ def main(argv=None) -> int:
                    "parameters": n_params, "weight_bytes": weight_bytes, "lora_rank": args.lora_rank,
                    "prompt_tokens_mean": round(statistics.fmean(prompt_lens), 1), "new_tokens": args.new_tokens,
                    "temperature": 1.0, "logprobs": True, "engine": engine.config.model_dump(),
-                   "cuda_graphs": engine.step.graphs, "transport": transport, "setup_s": round(setup_s, 1)},
+                   "cuda_graphs": engine.step.graphs, "transport": transport, "setup_s": round(setup_s, 1),
+                   "torch_threads": torch.get_num_threads()},
         "results": results,
     }
     if check is not None:
@@ -407,7 +411,8 @@ def markdown(report: dict) -> str:
              f"Model {cfg['model']} ({cfg['parameters'] / 1e6:.0f}M parameters, {cfg['dtype']}), LoRA rank "
              f"{cfg['lora_rank'] or '-'}, prompts ~{cfg['prompt_tokens_mean']} tokens, {cfg['new_tokens']} new "
              f"tokens, temperature 1, logprobs on; engine via {cfg['transport']}, CUDA graphs "
-             f"{'on' if cfg['cuda_graphs'] else 'off'}; CPU load average at start {hw['load_average_at_start']}.",
+             f"{'on' if cfg['cuda_graphs'] else 'off'}; torch threads {cfg.get('torch_threads')}; CPU load average at "
+             f"start {tuple(round(x, 2) for x in hw['load_average_at_start'])}.",
              "", "| system | concurrency | requests | output tok/s | latency mean s | p50 s | p95 s | decode step ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
