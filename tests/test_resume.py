@@ -4,8 +4,14 @@ One chain per storage kind (local folder, S3 on moto): kill (a) after the first 
 1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
 before its commit; then run to the end. Each restart uses a new PREFECT_HOME (a new machine). The
 inference server is shared and sits behind a counting proxy, so the test sees every rollout request.
-Asserted: no stored rollout group is requested again, the run reaches the final step, and the final
-adapter is byte-identical to an uninterrupted run's.
+Asserted: no stored rollout group is requested again, the run reaches the final step, and the
+adapters are byte-identical to an uninterrupted run's on the same rollouts.
+
+Why "on the same rollouts": batched inference is not bitwise batch-invariant (the same seeded request
+alone or beside five others gave the same tokens but logprobs 4.8e-7 apart on this CPU), and rollout
+batches depend on arrival timing. So the uninterrupted reference is a fresh run over a copy of the
+chain's stored rollout groups (nothing else: no checkpoints, no manifests past step 0, no Prefect
+cache records); it must request no rollout and train steps 1 and 2 in one go to the same bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import pytest
 from storage.store import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
-GROUPS, GROUP_SIZE, STEPS = 2, 3, 2
+GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
 def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None = None):
@@ -32,36 +38,42 @@ def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, en
     if crash_at:
         env["TRAJFLOW_CRASH_AT"] = crash_at
     cmd = [sys.executable, "-m", "flows.train", "configs/tiny.yaml", "--set", f"storage={root}",
+           "--set", "agent=tests.flow_agents:EchoAgent",
            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
-           "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        try:  # SIGKILL orphans Prefect's ephemeral API server: take the whole process group down
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out
+           "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
+           "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
+    log_path = tmp_path / f"flow-{os.urandom(4).hex()}.log"
+    with open(log_path, "w") as log:  # a file, not a pipe: orphaned children must not hold our reads open
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=240)
+        finally:
+            try:  # SIGKILL orphans Prefect's ephemeral API server: take the whole process group down
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return proc.returncode, log_path.read_text()
 
 
 def adapter_bytes(store: RunStore, step: int) -> bytes:
     return store.get_bytes(step, "adapter/adapter_model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def reference_adapter(counting_server, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("reference-run"))
-    code, out = run_flow(root, counting_server.url, tmp_path_factory.mktemp("ref-home"), None)
-    assert code == 0, out[-3000:]
-    store = RunStore(root, "ci", "tiny")
-    assert store.committed_steps() == list(range(STEPS + 1))
-    return adapter_bytes(store, STEPS)
+def copy_rollouts_only(store: RunStore, target: Path) -> None:
+    """Copy run.json, step 0 and every stored rollout group of the run to a local folder."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(store.url)
+    for path in fs.find(base):
+        rel = path[len(base.rstrip("/")) + 1:]
+        if rel == "run.json" or rel.startswith("steps/00000/") or "/groups/" in rel:
+            dest = target / store.project / store.run / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(fs.cat_file(path))
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_kill_and_resume(kind, counting_server, reference_adapter, tmp_path, request):
+def test_kill_and_resume(kind, counting_server, tmp_path, request):
     env = {}
     if kind == "s3":
         bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
@@ -77,14 +89,14 @@ def test_kill_and_resume(kind, counting_server, reference_adapter, tmp_path, req
     proxy.reset()
     code, out = run_flow(root, proxy.url, tmp_path, "rollouts-group:1", env)
     assert code == -signal.SIGKILL, out[-3000:]
-    stored = store.list_files(1, "groups/")
-    assert len(stored) == 1 and store.committed_steps() == [0]
+    stored = len(store.list_files(1, "groups/"))
+    assert 1 <= stored < GROUPS and store.committed_steps() == [0]
 
     # (b) resumed: only the missing group is requested; killed in the middle of step 1's training
     proxy.reset()
     code, out = run_flow(root, proxy.url, tmp_path, "training:1", env)
     assert code == -signal.SIGKILL, out[-3000:]
-    assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - 1) * GROUP_SIZE
+    assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - stored) * GROUP_SIZE
     assert len(store.list_files(1, "groups/")) == GROUPS
     assert store.committed_steps() == [0] and not store.exists(1, "training.json")
 
@@ -102,4 +114,14 @@ def test_kill_and_resume(kind, counting_server, reference_adapter, tmp_path, req
     assert code == 0, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
     assert store.committed_steps() == [0, 1, 2]
-    assert adapter_bytes(store, STEPS) == reference_adapter
+
+    # the uninterrupted reference on the same rollouts: no request, same adapter bytes at every step
+    replay_root = tmp_path / "replay"
+    copy_rollouts_only(store, replay_root)
+    proxy.reset()
+    code, out = run_flow(str(replay_root), proxy.url, tmp_path, None)
+    assert code == 0, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
+    replay = RunStore(str(replay_root), "ci", "tiny")
+    for step in range(1, STEPS + 1):
+        assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
