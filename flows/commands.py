@@ -16,6 +16,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _setup_logging() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # slow, busy 2-core machines
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
