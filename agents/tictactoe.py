@@ -3,7 +3,8 @@
 Each model turn gets the board as text and must answer ``<move>B2</move>`` (column A-C, row 1-3,
 case-insensitive; the first ``<move>`` tag of the reply counts, prose around it is allowed). X moves
 first; a scenario says whether the model plays X or O. The conversation keeps every turn (so each
-prompt extends the previous one token for token and the trainer can concatenate the turns).
+prompt extends the previous one token for token and the trainer can concatenate the turns). With
+``few_shot`` (default) two worked turns precede the game as earlier user/assistant messages.
 
 Opponent: deterministic per scenario. Before each of its moves it draws from
 ``random.Random(f"{seed}:{board}")``: with probability ``opponent_skill`` it plays the heuristic move
@@ -81,6 +82,19 @@ def render(board: list[str]) -> str:
     return "\n".join(rows)
 
 
+def turn_prompt(board: list[str], mark: str, last_opponent: int | None) -> str:
+    """The user message of one turn: the opponent's last move, the model's mark and the board."""
+    head = f"The opponent played {cell_name(last_opponent)}. " if last_opponent is not None else ""
+    return f"{head}You are {mark}.\n{render(board)}\nYour move?"
+
+
+# Two worked turns shown before the game (as earlier user/assistant messages) when few_shot is on.
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    (turn_prompt(list("........."), "X", None), "<move>B2</move>"),
+    (turn_prompt(list("O...X...."), "X", 0), "<move>C3</move>"),
+)
+
+
 def _winning_cells(board: list[str], mark: str) -> list[int]:
     out = []
     for line in LINES:
@@ -126,10 +140,7 @@ class Game:
             self._opponent_turn()
 
     def prompt(self) -> str:
-        head = (f"The opponent played {cell_name(self.last_opponent)}. " if self.last_opponent is not None
-                else "You move first. ")
-        return (f"{head}You are {self.model_mark}.\n{render(self.board)}\n"
-                "Your move: reply with <move>CELL</move> for an empty cell, e.g. <move>B2</move>.")
+        return turn_prompt(self.board, self.model_mark, self.last_opponent)
 
     def play(self, text: str | None) -> None:
         """Apply the model's reply, then the opponent's answer; sets ``outcome`` when the game ends."""
@@ -172,6 +183,8 @@ class TicTacToeConfig(BaseModel):
     opponent_skill: float = Field(default=0.5, ge=0, le=1, description="chance the opponent plays its heuristic "
                                   "move instead of a random one: 0 is a random player, 1 never misses a win or block")
     model_plays: Literal["X", "O", "both"] = Field(default="both", description="the model's mark; X moves first")
+    few_shot: bool = Field(default=True, description="show two worked turns before the game; without them "
+                           "SmolLM2-135M never answers with a <move> tag")
     max_tokens: int = Field(default=24, ge=1, description="completion budget per move")
     temperature: float = Field(default=1.0, ge=0, description="sampling temperature of rollouts")
     win_reward: float = Field(default=1.0, description="reward of a won game")
@@ -212,10 +225,18 @@ class TicTacToeAgent(BaseAgent):
         game.start()
         return game
 
+    def prefix(self) -> list[dict[str, Any]]:
+        """The messages before the game: the system prompt and, with ``few_shot``, the worked turns."""
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+        if self.settings.few_shot:
+            for user, reply in EXAMPLES:
+                msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return msgs
+
     def replay(self, scenario: Scenario, messages: list[dict[str, Any]]) -> Game:
-        """Replay the assistant replies of a conversation against the scenario's opponent."""
+        """Replay the assistant replies of a conversation (after :meth:`prefix`) against the scenario's opponent."""
         game = self.new_game(scenario)
-        for m in messages:
+        for m in messages[len(self.prefix()):]:
             if game.outcome is not None:
                 break
             if m.get("role") == "assistant":
@@ -232,7 +253,7 @@ class TicTacToeAgent(BaseAgent):
 
     async def rollout(self, client: AsyncOpenAI, policy: str, scenario: Scenario) -> Trajectory:
         game = self.new_game(scenario)
-        traj = Trajectory(messages_and_choices=[{"role": "system", "content": SYSTEM_PROMPT}],
+        traj = Trajectory(messages_and_choices=self.prefix(),
                           metadata={"agent": self.name, "scenario_id": scenario.id, "model_mark": game.model_mark})
         while game.outcome is None:
             traj.messages_and_choices.append({"role": "user", "content": game.prompt()})

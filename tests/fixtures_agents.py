@@ -108,7 +108,8 @@ def scripted_server():
     state = ScriptedServer()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, name="scripted-openai", daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="scripted-openai",
+                              daemon=True)
     thread.start()
     state.base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from agents import Trajectory
 from agents.registry import get_agent
-from agents.tictactoe import (LINES, SYSTEM_PROMPT, Game, TicTacToeAgent, cell_name, opponent_move, parse_move,
+from agents.tictactoe import (LINES, Game, TicTacToeAgent, cell_name, opponent_move, parse_move,
                               winner)
 
 
@@ -45,7 +45,7 @@ def first_empty(board: list[str], me: str) -> int:
 def play_messages(agent, scenario, strategy) -> tuple[list[dict], Game]:
     """A hand-written conversation: the strategy's moves as assistant replies, built on a live Game."""
     game = agent.new_game(scenario)
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+    msgs = agent.prefix()
     while game.outcome is None:
         msgs.append({"role": "user", "content": game.prompt()})
         reply = f"<move>{cell_name(strategy(game.board, game.model_mark))}</move>"
@@ -116,7 +116,7 @@ def test_reward_replays_hand_written_games(skill, strategy, outcome, mark, rewar
 
 def test_illegal_and_unparseable_moves_lose_with_penalty(agent):
     scenario = next(s for s in agent.scenarios("val", 0) if s.payload["model_mark"] == "X")
-    base = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "board"}]
+    base = agent.prefix() + [{"role": "user", "content": "board"}]
     game = agent.new_game(scenario)
     game.play("<move>A1</move>")
     taken = next(i for i, v in enumerate(game.board) if v == "O")
@@ -160,6 +160,15 @@ async def test_rollout_plays_a_full_game_over_http(scripted_server, scripted_cli
         assert later["messages"][: len(earlier["messages"])] == earlier["messages"]  # each prompt extends the last
     assert all(t.trainable for t in traj.sampled_turns())
     assert "opponent played" in scripted_server.requests[0]["messages"][-1]["content"]  # O: the opponent opened
+    assert scripted_server.requests[0]["messages"][:5] == agent.prefix()
+
+
+def test_worked_examples_are_not_replayed_as_moves():
+    plain, shots = TicTacToeAgent(few_shot=False), TicTacToeAgent()
+    scenario = next(s for s in shots.scenarios("val", 0) if s.payload["model_mark"] == "X")
+    assert len(plain.prefix()) == 1 and len(shots.prefix()) == 5
+    assert shots.replay(scenario, shots.prefix()).outcome == "unfinished"      # B2, C3 in the examples
+    assert "B2" in shots.prefix()[2]["content"] and "O . ." in shots.prefix()[3]["content"]
 
 
 async def test_rollout_illegal_reply_ends_game(agent, scripted_server, scripted_client):
