@@ -69,7 +69,7 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
         model = policy["label"]
     scenarios = val_scenarios(config)
     area = f"evaluations/{stamp}/{policy['label'].replace('@', '-').replace('/', '_')}"
-    rollouts = await run_groups(config, None, scenarios, model, area, 1, f"eval {policy['label']}")
+    rollouts = await run_groups(config, 0, scenarios, model, area, 1, f"eval {policy['label']}", storage_step=None)
     scored = await asyncio.to_thread(score_groups_fn, config, None, scenarios, rollouts,
                                      out=f"{area}/scored.parquet", prefix="val", use_judge=False)
     return {"policy": policy["label"], **scored["metrics"]}

@@ -92,12 +92,20 @@ async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step:
     return group
 
 
+_SAME = object()
+
+
 async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
-                     group_size: int, label: str) -> dict[str, Any]:
-    """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed."""
+                     group_size: int, label: str, storage_step: Any = _SAME) -> dict[str, Any]:
+    """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed.
+
+    `step` seeds the rollouts; groups are stored under `prefix` in the folder of `storage_step`
+    (default: the same step; None: the run level, for evaluations outside the step sequence).
+    """
     rt = get_runtime(config)
     store = rt.store
-    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(step, group_path(prefix, i))]
+    at = step if storage_step is _SAME else storage_step
+    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(at, group_path(prefix, i))]
     reused = len(scenarios) - len(todo)
     if reused:
         log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
@@ -110,7 +118,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
-        await asyncio.to_thread(store.write_groups, step, group_path(prefix, i), [group])
+        await asyncio.to_thread(store.write_groups, at, group_path(prefix, i), [group])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)

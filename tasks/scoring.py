@@ -81,7 +81,7 @@ async def _judge_all(rt: Runtime, groups: list[TrajectoryGroup]) -> list[Traject
 def _trace_scores(config: RunConfig, step, groups: list[TrajectoryGroup]) -> None:
     """Reward, judge score and components on each rollout's trace (no-op without Langfuse keys)."""
     tracer = get_tracer()
-    if not tracer.enabled:
+    if not tracer.enabled or step is None:
         return
     for group in groups:
         for traj in group.trajectories:
