@@ -39,8 +39,13 @@ def compress_steps(steps: list[int]) -> str:
     return ",".join(parts)
 
 
+# Shown first when present; the rest follow alphabetically.
+KEY_METRICS = ("train/reward", "val/reward", "train/loss", "train/grad_norm", "time/step_s")
+
+
 def _metrics_text(metrics: dict[str, float]) -> str:
-    items = [f"{k}={v:.4g}" for k, v in sorted(metrics.items())]
+    keys = [k for k in KEY_METRICS if k in metrics] + sorted(k for k in metrics if k not in KEY_METRICS)
+    items = [f"{k}={metrics[k]:.4g}" for k in keys]
     return " ".join(items[:MAX_METRICS]) + (f" (+{len(items) - MAX_METRICS} more)" if len(items) > MAX_METRICS else "")
 
 
