@@ -63,7 +63,7 @@ class SampledTurn(BaseModel):
         data = choice.model_dump(mode="json") if hasattr(choice, "model_dump") else dict(choice)
         message = {k: v for k, v in (data.get("message") or {}).items() if v is not None}
         message.setdefault("role", "assistant")
-        for key in ("refusal", "audio", "annotations", "function_call"):
+        for key in ("refusal", "audio", "annotations", "function_call", "tool_calls"):
             if not message.get(key):
                 message.pop(key, None)
         content_lp = ((data.get("logprobs") or {}).get("content")) or []
