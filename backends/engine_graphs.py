@@ -71,7 +71,7 @@ class DecodeStep:
             out, raw = self._body(batch, length, lora, top_p, lora_slots)
             return out.cpu(), raw
         if self.runner.lora.generation != self._generation:  # LoRA stacks were reallocated: old graphs are stale
-            self._graphs.clear()
+            self.clear()
             self._generation = self.runner.lora.generation
         key = (batch, length, lora, top_p)
         entry = self._graphs.get(key)
@@ -98,4 +98,7 @@ class DecodeStep:
         return self._graphs[key]
 
     def clear(self) -> None:
+        """Drop every graph and their memory pool: a pool whose graphs are all freed cannot take new captures
+        (PyTorch asserts ``use_count > 0`` in capture_begin), so the next capture starts a fresh pool."""
         self._graphs.clear()
+        self._pool = None

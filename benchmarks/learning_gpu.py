@@ -218,8 +218,11 @@ def summarise(jobs: list[dict]) -> dict:
     for lr, js in sorted(by_lr.items()):
         s: dict = {"seeds": [j["seed"] for j in js]}
         for key in ("reward", "correct", "format_ok", "greedy_correct", "greedy_reward"):
-            before = [j["val_before"][key] for j in js]
-            after = [j["val_after"][key] for j in js]
+            ok = [j for j in js if all(j[v][key] == j[v][key] for v in ("val_before", "val_after"))]  # no NaN
+            if not ok:
+                continue
+            before = [j["val_before"][key] for j in ok]
+            after = [j["val_after"][key] for j in ok]
             deltas = [a - b for a, b in zip(after, before)]
             s[key] = {"before_mean": statistics.mean(before), "after_mean": statistics.mean(after),
                       "delta_mean": statistics.mean(deltas),
