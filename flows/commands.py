@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -15,11 +14,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_logging() -> None:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # slow, busy 2-core machines
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    """Show trajflow's progress lines in the terminal (environment defaults: see flows/__init__.py)."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s trajflow: %(message)s", "%H:%M:%S"))
     logger = logging.getLogger("trajflow")
