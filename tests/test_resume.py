@@ -46,7 +46,7 @@ def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, en
     with open(log_path, "w") as log:  # a file, not a pipe: orphaned children must not hold our reads open
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=240)
+            proc.wait(timeout=400)
         finally:
             try:  # SIGKILL orphans Prefect's ephemeral API server: take the whole process group down
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -72,6 +72,7 @@ def copy_rollouts_only(store: RunStore, target: Path) -> None:
             dest.write_bytes(fs.cat_file(path))
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_kill_and_resume(kind, counting_server, tmp_path, request):
     env = {}
