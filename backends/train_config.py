@@ -175,6 +175,18 @@ class TrainerConfig(BaseModel):
         "memory but 26% fewer tokens/s (plain-PyTorch elementwise backward), so off by default; checkpointing "
         "more layers is the cheaper way to save memory.",
     )
+    fused_lora: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Run each LoRA linear as one fused op (scaling folded into B, the adds into the matrix "
+        "products) instead of peft's four extra full-width passes; same function up to rounding, peft "
+        "backend only. 'auto': on for CUDA, off on CPU (keeps CPU numerics identical to peft's).",
+    )
+    compile_logprobs: bool = Field(
+        default=False,
+        description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
+        "(fused kernels that read each logits chunk once instead of several float32 passes). The first "
+        "steps pay the compile (seconds); results equal the eager ones up to reduction order.",
+    )
     logprob_chunk: int = Field(
         default=1024, ge=1,
         description="Tokens per chunk when projecting hidden states onto the vocabulary: logits exist for "

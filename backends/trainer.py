@@ -15,6 +15,7 @@ One ``train_step(groups)`` call is exactly one optimizer step:
 
 The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
 the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
+On CUDA each LoRA linear runs as one fused op by default (``TrainerConfig.fused_lora``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from agents.trajectory import TrajectoryGroup
 from .advantages import kl_shaping
 from .checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
 from .logprobs import chunked_logprobs
-from .memory_efficient_ops import patch_model
+from .memory_efficient_ops import patch_lora, patch_model
 from .losses import assign_aggregation_weights, policy_loss
 from .packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
 from .rows import TrainingRow, build_rows
@@ -137,6 +138,8 @@ class GRPOTrainer:
         self._lm.config.use_cache = False
         self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
         self.patched_ops = patch_model(self._lm) if config.memory_efficient_ops and self.backend == "peft" else {}
+        fused = config.fused_lora == "on" or (config.fused_lora == "auto" and self.device.type == "cuda")
+        self.fused_lora_layers = patch_lora(self.model) if fused and self.backend == "peft" else 0
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):
@@ -165,7 +168,7 @@ class GRPOTrainer:
 
     # Fields baked into the model or its wrapping at construction; update_config refuses to change them.
     FIXED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "backend", "dtype", "seed",
-                    "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops")
+                    "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
 
     def update_config(self, **overrides) -> TrainerConfig:
         """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
@@ -218,7 +221,8 @@ class GRPOTrainer:
         """(logp, entropy) of the micro-batch's trained tokens under the current model."""
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
-        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature)
+        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
+                                compile=self.config.compile_logprobs)
 
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
         for r in rows:

@@ -116,6 +116,23 @@ def _reset(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def _alloc_stats(device: str) -> dict:
+    """Caching-allocator counters (cumulative): cudaMalloc/cudaFree calls, OOM-retries, reserved peak."""
+    if not device.startswith("cuda"):
+        return {}
+    st = torch.cuda.memory_stats()
+    return {"num_device_alloc": st.get("num_device_alloc", 0), "num_device_free": st.get("num_device_free", 0),
+            "num_alloc_retries": st.get("num_alloc_retries", 0),
+            "reserved_peak_gib": st.get("reserved_bytes.all.peak", 0) / 2**30}
+
+
+def _set_allocator(device: str, settings: str) -> None:
+    """Caching-allocator settings for the next variant (e.g. expandable_segments:True), on an empty cache."""
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings(settings)
+
+
 def _reset_peak(device: str) -> None:
     """Between steps of one variant: new peak counter, but the allocator's cache stays warm (as in training)."""
     if device.startswith("cuda"):
@@ -133,11 +150,13 @@ def run_ours(name, shape, data, cfg_kwargs, device, dtype, steps, tok):
         m = trainer.train_step(data[k])
         _sync(device)
         m["wall_s"] = time.perf_counter() - t0
+        m.update(_alloc_stats(device))
         out["steps"].append(m)
         print(f"  {name} step {k}: {m['tokens']:.0f} tok in {m['wall_s']:.2f}s = {m['tokens'] / m['wall_s']:.0f} tok/s,"
-              f" peak {m['peak_memory_gib']:.1f} GiB, loss {m['loss']:.5f}, {m['micro_batches']:.0f} micro-batches",
-              flush=True)
+              f" peak {m['peak_memory_gib']:.1f} GiB, loss {m['loss']:.5f}, grad norm {m['grad_norm']:.5f},"
+              f" {m['micro_batches']:.0f} micro-batches, alloc {_alloc_stats(device)}", flush=True)
     out["patched_ops"] = trainer.patched_ops
+    out["fused_lora_layers"] = trainer.fused_lora_layers
     out["packed"] = trainer.packed
     del trainer, model
     return out
@@ -204,14 +223,14 @@ def run_baseline(name, shape, data, cfg_kwargs, device, dtype, steps, gc_on):
             loss.backward()
             total_loss += float(loss)
             del logits, logp_all, logp, loss
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
         wall = time.perf_counter() - t0
         tokens = sum(len(r) for r in rows)
         m = {"tokens": tokens, "padded_tokens": padded, "wall_s": wall, "peak_memory_gib": _peak(device),
-             "loss": total_loss, "micro_batches": len(batches)}
+             "loss": total_loss, "grad_norm": grad_norm, "micro_batches": len(batches), **_alloc_stats(device)}
         out["steps"].append(m)
         print(f"  {name} step {k}: {tokens} tok ({padded} padded) in {wall:.2f}s = {tokens / wall:.0f} tok/s,"
               f" peak {m['peak_memory_gib']:.1f} GiB, loss {total_loss:.5f}, {len(batches)} micro-batches", flush=True)
@@ -231,6 +250,8 @@ def summarise(result: dict, n_params: int) -> dict:
         "peak_memory_gib": round(max(s["peak_memory_gib"] for s in timed), 1),
         "tokens_per_step": round(tokens / len(timed)),
         "first_step_loss": result["steps"][0]["loss"],
+        "first_step_grad_norm": result["steps"][0].get("grad_norm"),
+        "first_step_wall_s": round(result["steps"][0]["wall_s"], 2),
     }
 
 
@@ -259,19 +280,41 @@ def main() -> None:
                   max_row_tokens=max_len, micro_batch_tokens=mb, seed=0, backend="peft")
     gc = dict(gradient_checkpointing=True)
     lean = dict(memory_efficient_ops=True)
+    peft_ops = dict(fused_lora="off")  # the variants measured before fused LoRA existed: peft's own LoRA forward
+    fused = dict(fused_lora="on")
+    exp = "expandable_segments:True"  # caching-allocator setting of a variant (default: PyTorch's own)
     variants = {
-        "ours/no-checkpointing": ("ours", dict(common)),
-        "ours/checkpoint-12%": ("ours", dict(common, **gc, checkpoint_layer_fraction=0.125)),
-        "ours/checkpoint-25%": ("ours", dict(common, **gc, checkpoint_layer_fraction=0.25)),
-        "ours/checkpoint-50%": ("ours", dict(common, **gc, checkpoint_layer_fraction=0.5)),
-        "ours/checkpoint-all": ("ours", dict(common, **gc)),
-        "ours/checkpoint-25%-lean-ops": ("ours", dict(common, **gc, **lean, checkpoint_layer_fraction=0.25)),
-        "baseline/no-checkpointing": ("baseline", dict(common)),
-        "baseline/checkpointing": ("baseline-gc", dict(common)),
+        "ours/no-checkpointing": ("ours", dict(common, **peft_ops), ""),
+        "ours/checkpoint-12%": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.125), ""),
+        "ours/checkpoint-25%": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.25), ""),
+        "ours/checkpoint-50%": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.5), ""),
+        "ours/checkpoint-all": ("ours", dict(common, **peft_ops, **gc), ""),
+        "ours/checkpoint-25%-lean-ops": ("ours", dict(common, **peft_ops, **gc, **lean,
+                                                      checkpoint_layer_fraction=0.25), ""),
+        "ours/no-checkpointing+expandable": ("ours", dict(common, **peft_ops), exp),
+        "ours/checkpoint-25%+expandable": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.25),
+                                           exp),
+        "ours/checkpoint-25%+fused": ("ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25), ""),
+        "ours/checkpoint-25%+fused+expandable": ("ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25),
+                                                 exp),
+        "ours/checkpoint-12%+fused+expandable": ("ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.125),
+                                                 exp),
+        "ours/no-checkpointing+fused+expandable": ("ours", dict(common, **fused), exp),
+        "ours/no-checkpointing+fused+lean-ops+expandable": ("ours", dict(common, **fused, **lean), exp),
+        "ours/checkpoint-25%+fused+expandable+compiled-logprobs": (
+            "ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25, compile_logprobs=True), exp),
+        "ours/checkpoint-25%+fused+expandable+compiled-logprobs+chunk-4096": (
+            "ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25, compile_logprobs=True,
+                         logprob_chunk=4096), exp),
+        "baseline/no-checkpointing": ("baseline", dict(common), ""),
+        "baseline/checkpointing": ("baseline-gc", dict(common), ""),
     }
     if args.only:
-        keep = set(args.only.split(","))
-        variants = {k: v for k, v in variants.items() if k in keep}
+        keep = args.only.split(",")
+        unknown = [k for k in keep if k not in variants]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; known: {list(variants)}")
+        variants = {k: variants[k] for k in keep}  # in the order given
 
     import peft
     import transformers
@@ -284,16 +327,18 @@ def main() -> None:
     print(f"env {env}\nmodel params {n_params / 1e9:.3f}B; step 0: {len(rows_info)} rows, {sum(rows_info)} tokens, "
           f"row lengths {min(rows_info)}..{max(rows_info)}", flush=True)
     results, summary = [], []
-    for name, (kind, cfg) in variants.items():
+    for name, (kind, cfg, alloc) in variants.items():
         print(f"== {name}", flush=True)
         _reset(device)
         try:
+            if alloc:
+                _set_allocator(device, alloc)
             if kind == "ours":
                 res = run_ours(name, shape, data, cfg, device, dtype, args.steps, tok)
             else:
                 res = run_baseline(name, shape, data, cfg, device, dtype, args.steps, gc_on=kind == "baseline-gc")
             results.append(res)
-            summary.append(summarise(res, n_params))
+            summary.append({**summarise(res, n_params), "allocator": alloc or "default"})
             print(f"   -> {summary[-1]}", flush=True)
         except torch.OutOfMemoryError as exc:
             print(f"   -> out of memory: {str(exc)[:200]}", flush=True)
@@ -302,6 +347,8 @@ def main() -> None:
             traceback.print_exc()
             summary.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         _reset(device)
+        if alloc:
+            _set_allocator(device, "expandable_segments:False")
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"env": env, "n_params": n_params, "summary": summary,
