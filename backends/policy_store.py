@@ -82,9 +82,24 @@ def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None =
         after_update(step)
     metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
     metrics["train/update_s"] = update_s
+    metrics["train/probe_shift"] = policy_shift(trainer, groups)
     result = save_checkpoint(store, step, trainer, metrics)
     log.info("step %d trained: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())[:8]))
     return result
+
+
+def policy_shift(trainer, groups: list[TrajectoryGroup]) -> float:
+    """Max |log pi_new - log pi_sampler| over the first trainable turn: how far this update moved the policy.
+
+    A remote publisher uses it to know whether the new policy must answer differently from the old one.
+    """
+    for group in groups:
+        for traj in group.trajectories:
+            for turn in traj.sampled_turns():
+                if turn.trainable and not traj.error:
+                    new = trainer.sequence_logprobs(turn.prompt_token_ids, turn.token_ids)
+                    return max(abs(a - b) for a, b in zip(new, turn.logprobs))
+    return 0.0
 
 
 def local_adapter(store, step: int, expected: dict[str, str] | None, project: str, run: str) -> Path:
@@ -147,7 +162,7 @@ async def publish(inference, client, name: str, previous: str | None, adapter_di
                                     f"(tolerance {tolerance}); the served adapter is not the one just trained")
     elif previous is not None:
         _, prev_ids, prev_lp = await _sample(client, previous, messages, seed)
-        changed = prev_ids != token_ids or any(abs(a - b) > 1e-6 for a, b in zip(served, prev_lp))
+        changed = prev_ids != token_ids or any(abs(a - b) > 1e-5 for a, b in zip(served, prev_lp))
         metrics["publish/probe_changed"] = float(changed)
         if not changed:
             raise StaleAdapterError(f"{name} answers exactly like {previous}: the new adapter is not being served")

@@ -27,13 +27,38 @@ def local_adapter(rt: Runtime, step: int, expected: dict[str, str] | None):
     return policy_store.local_adapter(rt.store, step, expected, rt.config.project, rt.config.run)
 
 
-async def _publish(rt: Runtime, step: int, adapter_dir, trainer) -> dict[str, float]:
+# A remote update that moved the trained logprobs by less than this is not required to change answers.
+MIN_SHIFT_TO_CHECK = 1e-2
+
+
+async def _previous_policy(rt: Runtime, inference, step: int, training: dict | None) -> str | None:
+    """What the remote-training probe compares against: policy step-1 (loaded if needed), else the base.
+
+    None when no visible change is expected: step 0, or an update whose own measured policy shift
+    (``train/probe_shift``) is below MIN_SHIFT_TO_CHECK (e.g. every group had equal rewards).
+    """
+    shift = ((training or {}).get("metrics") or {}).get("train/probe_shift", 0.0)
+    if step == 0 or shift < MIN_SHIFT_TO_CHECK:
+        return None
+    cfg = rt.config
+    served = await inference.models()
+    previous = cfg.policy(step - 1)
+    if previous in served:
+        return previous
+    if rt.store.exists(step - 1, "adapter/adapter_model.safetensors"):
+        await inference.load_adapter(previous, str(local_adapter(rt, step - 1, None)))
+        return previous
+    return next(m for m in served if "@" not in m)
+
+
+async def _publish(rt: Runtime, step: int, adapter_dir, trainer, training: dict | None) -> dict[str, float]:
     cfg = rt.config
     inference = rt.inference_client()
     client = rt.client()
     try:
+        previous = None if trainer is not None else await _previous_policy(rt, inference, step, training)
         metrics = await policy_store.publish(
-            inference, client, cfg.policy(step), cfg.policy(step - 1) if step > 0 else None, adapter_dir,
+            inference, client, cfg.policy(step), previous, adapter_dir,
             policy_store.probe_messages(rt.store, step), seed=1234 + step, trainer=trainer,
             tolerance=cfg.inference.probe_tolerance)
     except Exception as exc:
@@ -55,7 +80,7 @@ def publish_policy_fn(config: RunConfig, step: int, training: dict[str, Any] | N
     rt = get_runtime(config)
     adapter_dir = local_adapter(rt, step, (training or {}).get("adapter"))
     trainer = rt.trainer_at(step) if config.training.mode == "local" else None
-    metrics = asyncio.run(_publish(rt, step, adapter_dir, trainer))
+    metrics = asyncio.run(_publish(rt, step, adapter_dir, trainer, training))
     log.info("published %s %s", config.policy(step), metrics)
     return {"policy": config.policy(step), "metrics": metrics}
 
