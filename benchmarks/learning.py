@@ -79,9 +79,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
     parser.add_argument("--out", default="benchmarks/results/learning_cpu")
+    parser.add_argument("--storage", default=None, help="storage root (reuse one to resume finished seeds)")
+    parser.add_argument("--parallel", action="store_true", help="run the seeds as parallel processes")
     args = parser.parse_args()
-    storage = tempfile.mkdtemp(prefix="learning-runs-")
-    results = [run_seed(args.config, s, args.steps, storage, args.extra) for s in args.seeds]
+    storage = args.storage or tempfile.mkdtemp(prefix="learning-runs-")
+    if args.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(args.seeds)) as pool:
+            results = list(pool.map(lambda s: run_seed(args.config, s, args.steps, storage, args.extra), args.seeds))
+    else:
+        results = [run_seed(args.config, s, args.steps, storage, args.extra) for s in args.seeds]
     deltas = [r["val_after"] - r["val_before"] for r in results]
     import torch
     import transformers
