@@ -15,7 +15,8 @@ One ``train_step(groups)`` call is exactly one optimizer step:
 
 The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
 the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
-On CUDA each LoRA linear runs as one fused op by default (``TrainerConfig.fused_lora``).
+On CUDA each LoRA linear runs as one fused op and the logprob chunk math is compiled, by default
+(``TrainerConfig.fused_lora``, ``compile_logprobs``).
 """
 
 from __future__ import annotations
@@ -222,7 +223,11 @@ class GRPOTrainer:
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
-                                compile=self.config.compile_logprobs)
+                                compile=self._compile_logprobs())
+
+    def _compile_logprobs(self) -> bool:
+        mode = self.config.compile_logprobs
+        return mode == "on" or (mode == "auto" and self.device.type == "cuda")
 
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
         for r in rows:

@@ -9,7 +9,10 @@ completions of 100-800 tokens alternating with tool results of 200-1500 tokens),
 Measured (each after one warm-up step, over ``--steps`` optimizer steps):
 - ``ours/*``: GRPOTrainer.train_step at 16k tokens per micro-batch (rows packed without padding,
   varlen causal attention per row, chunked logprobs on trained tokens only), with gradient
-  checkpointing on none / a fraction / all of the layers, and once with memory_efficient_ops.
+  checkpointing on none / a fraction / all of the layers, with or without the fused LoRA linear
+  (``+fused``), compiled logprob chunk math (``+compiled-logprobs``), memory_efficient_ops, expandable
+  allocator segments. Unsuffixed ``ours/*`` names are the configuration measured on 2026-11-29 (peft's
+  LoRA forward, eager logprobs), not today's defaults.
 - ``baseline/*``: the same CISPO loss written plainly: rows padded into micro-batches of at most 16k
   tokens (padding included), ``model(input_ids, attention_mask).logits`` over every position,
   float32 log_softmax, gather; peft LoRA, same AdamW. With and without HF gradient checkpointing.
@@ -19,7 +22,11 @@ building and packing included). MFU = 6 * N * tokens/s / 989 TFLOP/s with N = th
 parameter count (embedding counted once, LoRA not counted, attention FLOPs not counted), the
 convention of the issue. Peak memory = torch.cuda.max_memory_allocated during a step. The CUDA cache
 is emptied between variants only (the first committed run, 2026-11-29, also emptied it before every
-step, which charged every variant, the baseline too, its cudaMalloc calls once per step).
+step, which charged every variant, the baseline too, its cudaMalloc calls once per step). Before the
+first variant, a few untimed steps warm the process up (``--process-warmup-steps``): without them the
+first variant measured ran about half speed for several steps (2026-11-30), which is what made
+"no checkpointing" look slow in the 2026-11-29 runs, where it came first. Variants may also set the
+caching allocator (``+expandable``: expandable_segments:True) and record its counters per step.
 
     python benchmarks/training.py --out benchmarks/results/training-h200.json
     python benchmarks/training.py --smoke        # CPU, tiny shape: checks the script runs
@@ -263,6 +270,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, to check the script")
+    ap.add_argument("--process-warmup-steps", type=int, default=2,
+                    help="untimed steps of the first listed 'ours' variant before any variant is measured (GPU): "
+                    "the first variant of a process ran ~2x slow for several steps (2026-11-30 run)")
     args = ap.parse_args()
 
     from backends.models import build_tiny_tokenizer
@@ -280,8 +290,9 @@ def main() -> None:
                   max_row_tokens=max_len, micro_batch_tokens=mb, seed=0, backend="peft")
     gc = dict(gradient_checkpointing=True)
     lean = dict(memory_efficient_ops=True)
-    peft_ops = dict(fused_lora="off")  # the variants measured before fused LoRA existed: peft's own LoRA forward
-    fused = dict(fused_lora="on")
+    peft_ops = dict(fused_lora="off", compile_logprobs="off")  # as measured before either existed
+    fused = dict(fused_lora="on", compile_logprobs="off")
+    fused_comp = dict(fused_lora="on", compile_logprobs="on")  # the GPU defaults since 2026-11-30
     exp = "expandable_segments:True"  # caching-allocator setting of a variant (default: PyTorch's own)
     variants = {
         "ours/no-checkpointing": ("ours", dict(common, **peft_ops), ""),
@@ -302,10 +313,12 @@ def main() -> None:
         "ours/no-checkpointing+fused+expandable": ("ours", dict(common, **fused), exp),
         "ours/no-checkpointing+fused+lean-ops+expandable": ("ours", dict(common, **fused, **lean), exp),
         "ours/checkpoint-25%+fused+expandable+compiled-logprobs": (
-            "ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25, compile_logprobs=True), exp),
+            "ours", dict(common, **fused_comp, **gc, checkpoint_layer_fraction=0.25), exp),
         "ours/checkpoint-25%+fused+expandable+compiled-logprobs+chunk-4096": (
-            "ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.25, compile_logprobs=True,
-                         logprob_chunk=4096), exp),
+            "ours", dict(common, **fused_comp, **gc, checkpoint_layer_fraction=0.25, logprob_chunk=4096), exp),
+        "ours/checkpoint-25%+fused+compiled-logprobs": (
+            "ours", dict(common, **fused_comp, **gc, checkpoint_layer_fraction=0.25), ""),
+        "ours/no-checkpointing+fused+expandable+compiled-logprobs": ("ours", dict(common, **fused_comp), exp),
         "baseline/no-checkpointing": ("baseline", dict(common), ""),
         "baseline/checkpointing": ("baseline-gc", dict(common), ""),
     }
@@ -327,6 +340,11 @@ def main() -> None:
     print(f"env {env}\nmodel params {n_params / 1e9:.3f}B; step 0: {len(rows_info)} rows, {sum(rows_info)} tokens, "
           f"row lengths {min(rows_info)}..{max(rows_info)}", flush=True)
     results, summary = [], []
+    warm = next((cfg for kind, cfg, _ in variants.values() if kind == "ours"), None)
+    if device == "cuda" and args.process_warmup_steps > 0 and warm is not None:
+        print("== process warm-up (not reported)", flush=True)
+        run_ours("process-warm-up", shape, data, warm, device, dtype, args.process_warmup_steps - 1, tok)
+        _reset(device)
     for name, (kind, cfg, alloc) in variants.items():
         print(f"== {name}", flush=True)
         _reset(device)
