@@ -67,3 +67,37 @@ def test_too_many_failures_fail_the_step_with_the_first_errors(prefect_api, tmp_
     with pytest.raises(RolloutFailures, match="cannot answer train-"):
         train(config)
     assert RunStore(config.storage, config.project, config.run).committed_steps() == [0]
+
+
+def test_flow_uses_the_judge_from_config_and_caches_it(prefect_api, tmp_path, tiny_model_path, judge_server):
+    import re
+
+    from agents.registry import get_agent
+    from flows.train import train
+    from tasks.rollouts import group_path
+    from tasks.scenarios import pick_train_scenarios
+    from tasks.scoring import score_groups_fn
+    from tests.fixtures_judge import scores_json
+
+    def reply(body):
+        ids = re.findall(r'<trajectory id="(t\d+)">', body["messages"][-1]["content"])
+        return scores_json({t: (1.0 if t == "t1" else 0.25) for t in ids})
+
+    judge_server.script(*[reply] * 4)
+    config = _config(tmp_path, steps=1, **{"judge.model": "judge-model", "judge.base_url": judge_server.base_url,
+                                           "judge.use_json_schema": "false"})
+    train(config)
+    assert len(judge_server.chat_requests) == 2  # one per group
+    store = RunStore(config.storage, config.project, config.run)
+    for group in store.read_groups(1, "scored.parquet"):
+        assert [t.reward for t in group.trajectories] == [1.0, 0.25, 0.25]  # replace mode, matched by id
+        assert all("independent_reward" in t.metrics and t.metrics["judge_cache_hit"] == 0
+                   for t in group.trajectories)
+    # re-scoring the same step (a resumed task) is served from the judge cache in storage: no request
+    pool = get_agent(config.agent).scenarios("train", 0)
+    scenarios = pick_train_scenarios(pool, config.seed, 1, config.groups_per_step)
+    rescored = score_groups_fn(config, 1, scenarios, {"paths": [group_path("groups", i) for i in range(2)]},
+                               out="rescored.parquet")
+    assert len(judge_server.chat_requests) == 2
+    assert rescored["metrics"]["train/judge_cache_hit"] == 1.0
+    assert store.read_manifest(1).metrics["train/reward"] == rescored["metrics"]["train/reward"]
