@@ -26,6 +26,11 @@ an answer of at most ``len(gold words) + 8`` words (so "They were born in Lisbon
 every city does not). Tool timeouts and tool exceptions are the environment's fault: recorded
 (``tool_timeouts``, ``tool_errors``), not penalised. :meth:`ResearchAgent.reward` recomputes all of this
 from the stored conversation, without running any tool.
+
+Baseline: SmolLM2-135M-Instruct never calls a tool here (16 val questions, greedy and sampled, ``max_turns=3``:
+every turn is prose, reward -0.3 each; ``benchmarks/results/agent_baselines.md``), so it gets no learning
+signal from this agent. It exercises the tool path end to end and is meant for tool-calling models
+(Qwen2.5 and up, behind vLLM with ``--tool-call-parser hermes``).
 """
 
 from __future__ import annotations
@@ -205,7 +210,7 @@ class ResearchAgent(BaseAgent):
         s, gold_doc = self.settings, scenario.payload["doc_id"]
         correct = ep.answered and answer_correct(ep.answer_text, scenario.payload["answer"])
         base = 1.0 if correct else (s.found_doc_reward if gold_doc in ep.read_docs else 0.0)
-        return {"base": base, "format_penalty": -min(s.max_penalty, s.format_penalty * ep.format_errors)}
+        return {"base": base, "format_penalty": -round(min(s.max_penalty, s.format_penalty * ep.format_errors), 6)}
 
     def reward(self, scenario: Scenario, trajectory: Trajectory) -> float:
         """Recomputed from the stored conversation; see the module docstring for the formula."""

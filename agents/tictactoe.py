@@ -19,6 +19,12 @@ Reward (defaults, all configurable)::
 "illegal" ends the game at once: a reply without a parseable ``<move>`` (metric ``unparseable``), or a
 move onto an occupied cell (metric ``illegal_move``; both count in ``illegal``).
 
+Baseline (SmolLM2-135M-Instruct, 64 val games, embedded server; ``benchmarks/results/agent_baselines.md``):
+greedy mean reward -0.94 (1.6% won, 3% lost, 95% illegal: it repeats the example's C3), sampled at
+temperature 1 -0.98 (98% illegal, 0.16 legal moves per game). Without the worked examples it never
+wrote a ``<move>`` tag (reward -1.0 for every game). The 135M model barely plays; this agent is here to
+exercise the multi-turn path and for larger models.
+
 Scenarios: ``n_train``/``n_val``/``n_test`` games per split, ids ``ttt-<split>-<i>``, seeds hashed from the
 split and index (so the splits never share a game); the model plays X in even and O in odd games
 unless ``model_plays`` fixes it.
@@ -270,8 +276,9 @@ class TicTacToeAgent(BaseAgent):
 
     @staticmethod
     def _metrics(game: Game) -> dict[str, int]:
-        return {"win": int(game.outcome == "win"), "draw": int(game.outcome == "draw"),
-                "loss": int(game.outcome == "loss"), "illegal": int(game.outcome == "illegal"),
+        # won/drawn/lost, not win/draw/loss: the flow logs metrics as train/<name> and train/loss is the GRPO loss
+        return {"won": int(game.outcome == "win"), "drawn": int(game.outcome == "draw"),
+                "lost": int(game.outcome == "loss"), "illegal": int(game.outcome == "illegal"),
                 "unparseable": int(game.detail == "unparseable"),
                 "illegal_move": int(game.detail.startswith("occupied")), "model_moves": game.model_moves}
 

@@ -154,7 +154,7 @@ async def test_rollout_plays_a_full_game_over_http(scripted_server, scripted_cli
     scenario = next(s for s in agent.scenarios("val", 0) if s.payload["model_mark"] == "O")
     traj = await agent.rollout(scripted_client, "agent@1", scenario)
     assert traj.metadata["outcome"] == "draw" and traj.reward == 0.5 == agent.reward(scenario, traj)
-    assert traj.metrics["draw"] == 1 and traj.metrics["illegal"] == 0 and traj.metrics["model_moves"] == 4
+    assert traj.metrics["drawn"] == 1 and traj.metrics["illegal"] == 0 and traj.metrics["model_moves"] == 4
     assert traj.metrics["turns"] == len(scripted_server.requests) == 4
     for earlier, later in zip(scripted_server.requests, scripted_server.requests[1:]):
         assert later["messages"][: len(earlier["messages"])] == earlier["messages"]  # each prompt extends the last
