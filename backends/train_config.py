@@ -164,8 +164,9 @@ class TrainerConfig(BaseModel):
     checkpoint_layer_fraction: float = Field(
         default=1.0, gt=0, le=1,
         description="With gradient_checkpointing, the fraction of decoder layers that are recomputed (evenly "
-        "spread). Lower trades memory back for speed. On an H200, 1.5B model, 16k-token micro-batches: 0.25 "
-        "gave 31.4k tokens/s at 38.9 GiB, 0.5 29.0k at 28.4 GiB (benchmarks/results/training-h200.md).",
+        "spread). Lower trades memory back for speed. On an H200, 1.5B model, 16k-token micro-batches, GPU "
+        "defaults: no checkpointing 36.4k tokens/s at 47.7 GiB, 0.25 33.4-34.1k at 38.5 GiB; 0.5 (older "
+        "ops) 28.5k at 28.4 GiB (benchmarks/results/training-h200.md).",
     )
     memory_efficient_ops: bool = Field(
         default=False,
@@ -179,7 +180,8 @@ class TrainerConfig(BaseModel):
         default="auto",
         description="Run each LoRA linear as one fused op (scaling folded into B, the adds into the matrix "
         "products) instead of peft's four extra full-width passes; same function up to rounding, peft "
-        "backend only. 'auto': on for CUDA, off on CPU (keeps CPU numerics identical to peft's).",
+        "backend only. 'auto': on for CUDA, off on CPU (keeps CPU numerics identical to peft's). H200, 1.5B, "
+        "16k-token micro-batches, no checkpointing: 35.7k vs 33.0k tokens/s (benchmarks/results/training-h200.md).",
     )
     compile_logprobs: Literal["auto", "on", "off"] = Field(
         default="auto",

@@ -24,7 +24,7 @@ convention of the issue. Peak memory = torch.cuda.max_memory_allocated during a 
 is emptied between variants only (the first committed run, 2026-11-29, also emptied it before every
 step, which charged every variant, the baseline too, its cudaMalloc calls once per step). Before the
 first variant, a few untimed steps warm the process up (``--process-warmup-steps``): without them the
-first variant measured ran about half speed for several steps (2026-11-30), which is what made
+first variant measured ran about half speed for several steps (run of commit b5acc87), which is what made
 "no checkpointing" look slow in the 2026-11-29 runs, where it came first. Variants may also set the
 caching allocator (``+expandable``: expandable_segments:True) and record its counters per step.
 
@@ -272,7 +272,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, to check the script")
     ap.add_argument("--process-warmup-steps", type=int, default=2,
                     help="untimed steps of the first listed 'ours' variant before any variant is measured (GPU): "
-                    "the first variant of a process ran ~2x slow for several steps (2026-11-30 run)")
+                    "the first variant of a process ran ~2x slow for several steps (results/training-h200.md)")
     args = ap.parse_args()
 
     from backends.models import build_tiny_tokenizer
@@ -292,7 +292,7 @@ def main() -> None:
     lean = dict(memory_efficient_ops=True)
     peft_ops = dict(fused_lora="off", compile_logprobs="off")  # as measured before either existed
     fused = dict(fused_lora="on", compile_logprobs="off")
-    fused_comp = dict(fused_lora="on", compile_logprobs="on")  # the GPU defaults since 2026-11-30
+    fused_comp = dict(fused_lora="on", compile_logprobs="on")  # the GPU defaults since commit 80e1523
     exp = "expandable_segments:True"  # caching-allocator setting of a variant (default: PyTorch's own)
     variants = {
         "ours/no-checkpointing": ("ours", dict(common, **peft_ops), ""),
