@@ -53,6 +53,17 @@ def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None
             "use a new run name (--set run=...) or the original settings")
 
 
+def merge_step_metrics(agent: dict[str, float], *system: dict[str, float]) -> dict[str, float]:
+    """The step's metrics; an agent metric named like a trainer/publish one (e.g. an agent's `loss`
+    becoming `train/loss`) is kept as `<name>.agent` instead of being silently overwritten."""
+    merged: dict[str, float] = {}
+    for part in system:
+        merged.update(part)
+    for key, value in agent.items():
+        merged[f"{key}.agent" if key in merged else key] = value
+    return merged
+
+
 class StageTimer:
     """Wall time per stage of a step, reported as time/<stage>_s and time/step_s."""
 
@@ -121,8 +132,8 @@ def train(config: RunConfig) -> dict[str, Any]:
                 training = staged(train_policy)(config, step)
             with timer("publish"):
                 publish = staged(publish_policy)(config, step, training)
-            metrics = {**scored["metrics"], **training["metrics"], **publish["metrics"],
-                       "rollouts/reused_groups": float(rollouts["reused_groups"])}
+            metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
+            metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
             if _evaluate_due(config, step):
                 with timer("evaluate"):
                     metrics.update(staged(evaluate_policy)(config, step))
