@@ -49,7 +49,7 @@ from .research_corpus import Corpus, build_corpus
 from .scenario import Scenario, Split
 from .tools import MODEL_ERROR_KINDS, ToolBox, ToolCall, function_tool, tool_result_message
 from .trajectory import Trajectory
-from .turns import ordered, sample_turn, split_of
+from .turns import ContextExhausted, ordered, sample_turn, split_of
 
 SYSTEM_PROMPT = (
     "You answer questions about a company directory. Use the tools: search(query) finds documents, "
@@ -223,10 +223,15 @@ class ResearchAgent(BaseAgent):
                                                 {"role": "user", "content": scenario.payload["question"]}],
                           tools=TOOL_SCHEMAS,
                           metadata={"agent": self.name, "scenario_id": scenario.id, "kind": scenario.payload["kind"]})
-        timeouts = tool_errors = 0
+        timeouts = tool_errors = context_exhausted = 0
         while not ep.answered and ep.turns < s.max_turns:
-            turn = await sample_turn(client, policy, traj, max_tokens=s.max_tokens, temperature=s.temperature,
-                                     tools=TOOL_SCHEMAS)
+            try:
+                turn = await sample_turn(client, policy, traj, max_tokens=s.max_tokens, temperature=s.temperature,
+                                         tools=TOOL_SCHEMAS)
+            except ContextExhausted as exc:
+                context_exhausted = 1
+                traj.log(f"turn {ep.turns + 1}: episode ends, the conversation outgrew the context ({exc})")
+                break
             ep.turns += 1
             calls = box.calls(turn.message)
             if not calls:
@@ -253,7 +258,8 @@ class ResearchAgent(BaseAgent):
             cited_doc=int(ep.answer_doc == scenario.payload["doc_id"]), turns=ep.turns, searches=ep.searches,
             reads=len(ep.read_docs), format_errors=ep.format_errors, no_tool_call=ep.no_tool_call,
             bad_json=ep.errors["bad_json"], unknown_tool=ep.errors["unknown_tool"],
-            bad_arguments=ep.errors["bad_arguments"], tool_timeouts=timeouts, tool_errors=tool_errors)
+            bad_arguments=ep.errors["bad_arguments"], tool_timeouts=timeouts, tool_errors=tool_errors,
+            context_exhausted=context_exhausted)
         traj.log(f"{scenario.id}: answered={ep.answered} {ep.answer_text!r} (gold {scenario.payload['answer']!r}) "
                  f"reward {traj.reward:.2f} = {parts}")
         return traj

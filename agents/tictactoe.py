@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .agent import BaseAgent
 from .scenario import Scenario, Split
 from .trajectory import Trajectory
-from .turns import ordered, sample_turn
+from .turns import ContextExhausted, ordered, sample_turn
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 CORNERS = (0, 2, 6, 8)
@@ -261,14 +261,21 @@ class TicTacToeAgent(BaseAgent):
         game = self.new_game(scenario)
         traj = Trajectory(messages_and_choices=self.prefix(),
                           metadata={"agent": self.name, "scenario_id": scenario.id, "model_mark": game.model_mark})
+        context_exhausted = 0
         while game.outcome is None:
             traj.messages_and_choices.append({"role": "user", "content": game.prompt()})
-            turn = await sample_turn(client, policy, traj, max_tokens=self.settings.max_tokens,
-                                     temperature=self.settings.temperature)
+            try:
+                turn = await sample_turn(client, policy, traj, max_tokens=self.settings.max_tokens,
+                                         temperature=self.settings.temperature)
+            except ContextExhausted as exc:  # unfinished: scored as a loss, like replay() does
+                traj.messages_and_choices.pop()
+                game.outcome, context_exhausted = "unfinished", 1
+                traj.log(f"{scenario.id}: game unfinished, the conversation outgrew the context ({exc})")
+                break
             content = turn.message.get("content")
             game.play(content if isinstance(content, str) else None)
         traj.reward = self.outcome_reward(game.outcome)
-        traj.metrics.update(self._metrics(game), turns=len(traj.sampled_turns()))
+        traj.metrics.update(self._metrics(game), turns=len(traj.sampled_turns()), context_exhausted=context_exhausted)
         traj.metadata["outcome"] = game.outcome
         traj.log(f"{scenario.id}: {game.outcome}{' (' + game.detail + ')' if game.detail else ''} after "
                  f"{game.model_moves} legal moves as {game.model_mark}; final board {''.join(game.board)}")

@@ -18,18 +18,33 @@ from .scenario import Scenario, Split
 from .trajectory import SampledTurn, Trajectory
 
 
+class ContextExhausted(RuntimeError):
+    """The conversation no longer fits the model's context: the episode ends here (a scored outcome)."""
+
+
+def _is_context_overflow(exc: Exception) -> bool:
+    return getattr(exc, "status_code", None) == 400 and "context length" in str(exc).lower()
+
+
 async def sample_turn(client: AsyncOpenAI, policy: str, traj: Trajectory, *, max_tokens: int,
                       temperature: float = 1.0, tools: list[dict[str, Any]] | None = None) -> SampledTurn:
     """Ask ``policy`` to continue ``traj`` and append its choice (captured as a :class:`SampledTurn`).
 
     Logprobs, token ids and seeds are not requested here: trajflow's client layer adds them. Errors of
-    the server (unreachable, 5xx) propagate: they are infrastructure failures, not model outcomes.
+    the server (unreachable, 5xx) propagate: they are infrastructure failures, not model outcomes. A
+    conversation grown past the model's context raises :class:`ContextExhausted`, which multi-turn
+    agents turn into the end of the episode.
     """
     kwargs: dict[str, Any] = {"model": policy, "messages": traj.messages(), "max_tokens": max_tokens,
                               "temperature": temperature}
     if tools:
         kwargs["tools"] = tools
-    response = await client.chat.completions.create(**kwargs)
+    try:
+        response = await client.chat.completions.create(**kwargs)
+    except Exception as exc:
+        if _is_context_overflow(exc):
+            raise ContextExhausted(str(exc)) from exc
+        raise
     if not response.choices:
         raise RuntimeError(f"the inference server returned no choices for {policy!r}")
     traj.messages_and_choices.append(response.choices[0])

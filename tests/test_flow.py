@@ -101,3 +101,16 @@ def test_flow_uses_the_judge_from_config_and_caches_it(prefect_api, tmp_path, ti
     assert len(judge_server.chat_requests) == 2
     assert rescored["metrics"]["train/judge_cache_hit"] == 1.0
     assert store.read_manifest(1).metrics["train/reward"] == rescored["metrics"]["train/reward"]
+
+
+@pytest.mark.parametrize("agent", ["arithmetic", "tictactoe", "research"])
+def test_each_example_agent_trains_one_step(agent, prefect_api, tmp_path, tiny_model_path):
+    from flows.train import train
+
+    config = load_config("configs/tiny.yaml", [f"storage={tmp_path / 'runs'}", f"agent={agent}", "steps=1",
+                                                "groups_per_step=2", "group_size=2", f"run=tiny-{agent}"])
+    assert train(config)["step"] == 1
+    store = RunStore(config.storage, config.project, config.run)
+    groups = store.read_groups(1, "scored.parquet")
+    assert len(groups) == 2 and all(len(g.trajectories) == 2 for g in groups)  # garbage is scored, not raised
+    assert all(t.messages_and_choices[-1] for g in groups for t in g.trajectories)
