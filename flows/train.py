@@ -41,12 +41,19 @@ log = logging.getLogger("trajflow")
 IDENTITY_FIELDS = ("agent", "agent_options", "base_model", "seed", "group_size", "groups_per_step", "trainer")
 
 
+def _differs(stored: Any, current: Any) -> bool:
+    """Stored vs current setting; a field the stored config lacks (added by a newer version) is no change."""
+    if isinstance(stored, dict) and isinstance(current, dict):
+        return any(_differs(v, current.get(k)) for k, v in stored.items() if k in current)
+    return stored != current
+
+
 def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
     """Refuse to continue a run whose identity-defining settings changed."""
     if not stored:
         return
     current = config.model_dump(mode="json")
-    changed = [f for f in IDENTITY_FIELDS if f in stored and stored[f] != current.get(f)]
+    changed = [f for f in IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
     if changed:
         raise ValueError(
             f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "

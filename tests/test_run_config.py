@@ -73,3 +73,15 @@ def test_agent_metrics_never_overwrite_trainer_metrics():
 
     merged = merge_step_metrics({"train/reward": 0.5, "train/loss": 3.0}, {"train/loss": -0.1}, {"publish/x": 1.0})
     assert merged == {"train/reward": 0.5, "train/loss": -0.1, "train/loss.agent": 3.0, "publish/x": 1.0}
+
+
+def test_identity_check_ignores_fields_added_by_newer_versions():
+    from flows.train import check_run_identity
+
+    config = load_config("configs/tiny.yaml")
+    stored = config.model_dump(mode="json")
+    stored["trainer"].pop("lora_dropout")  # a run written before this field existed
+    check_run_identity(stored, config)
+    stored["trainer"]["lora_rank"] = 99
+    with pytest.raises(ValueError, match="trainer"):
+        check_run_identity(stored, config)
