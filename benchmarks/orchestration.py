@@ -102,6 +102,7 @@ def main() -> int:
     import transformers
 
     results["environment"] = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                              "load_average_after": os.getloadavg(),
                               "prefect": prefect.__version__, "torch": torch.__version__,
                               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
     results["realistic_step_s"] = args.realistic_step_s
