@@ -27,14 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS, GROUP_SIZE = 2, 3
 SCENARIOS = ["What is 2+2?", "Name a colour."]
 
-CHEAT_SHEET = '''
-import asyncio, sys
-from agents import TrainableModel, Trajectory, TrajectoryGroup, TrainConfig, gather_trajectory_groups
-from backends import LocalBackend
-
-NUM_STEPS, GROUP_SIZE = int(sys.argv[2]), 3
-scenarios = ["What is 2+2?", "Name a colour."]
-
+ROLLOUT = '''
 async def rollout(model, scenario):
     client = model.openai_client()
     messages = [{"role": "user", "content": scenario}]
@@ -44,7 +37,16 @@ async def rollout(model, scenario):
     traj.messages_and_choices.append(choice)
     traj.reward = float(len(choice.message.content or "") % 3)
     return traj
+'''
 
+CHEAT_SHEET = '''
+import asyncio, sys
+from agents import TrainableModel, Trajectory, TrajectoryGroup, TrainConfig, gather_trajectory_groups
+from backends import LocalBackend
+
+NUM_STEPS, GROUP_SIZE = int(sys.argv[2]), 3
+scenarios = ["What is 2+2?", "Name a colour."]
+''' + ROLLOUT + '''
 async def main():
     model = TrainableModel(name="agent-001", project="my-agent", base_model="tiny-random")
     backend = LocalBackend(storage=sys.argv[1])
@@ -59,16 +61,7 @@ async def main():
 asyncio.run(main())
 '''
 
-
-async def rollout(model, scenario: str) -> Trajectory:
-    client = model.openai_client()
-    messages = [{"role": "user", "content": scenario}]
-    traj = Trajectory(messages_and_choices=[*messages], reward=0.0)
-    resp = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=6)
-    choice = resp.choices[0]
-    traj.messages_and_choices.append(choice)
-    traj.reward = float(len(choice.message.content or "") % 3)
-    return traj
+exec(ROLLOUT)  # the same rollout the scripts run, defined here as `rollout`
 
 
 def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_path):
