@@ -85,6 +85,7 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
             metrics = await model.log([await TrajectoryGroup(rollout(model, s) for _ in range(2))
                                        for s in SCENARIOS], split="val")
             assert "val/reward" in metrics
+            assert await model.delete_checkpoints("val/reward") == [0, 1]  # keeps the newest (= best) step
         finally:
             backend.close()
 
@@ -92,7 +93,8 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
     store = RunStore(str(tmp_path), "my-agent", "agent-001")
     assert store.committed_steps() == [0, 1, 2]
     assert "val/reward" in store.read_manifest(2).metrics
-    assert len(store.read_groups(1, "scored.parquet")) == len(SCENARIOS)
+    assert len(store.read_groups(1, "scored.parquet")) == len(SCENARIOS)  # trajectories survive retention
+    assert not store.exists(1, "adapter/adapter_model.safetensors") and store.exists(2, "adapter/adapter_model.safetensors")
 
 
 def test_resume_in_a_new_process(tmp_path, tiny_model_path):
