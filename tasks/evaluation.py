@@ -1,7 +1,8 @@
 """Evaluation: the agent's own reward of one policy on the run's fixed validation scenarios.
 
-One rollout per validation scenario (seeded like training rollouts, so an evaluation is
-reproducible), stored under ``eval/`` in the step folder and summarised as ``val/*`` metrics. The
+One rollout per validation scenario, stored under ``eval/`` in the step folder and summarised as
+``val/*`` metrics. Every evaluation of a run uses the same sampling seeds (derived from (run, "step 0",
+scenario)), so the val curve compares policies on identical draws instead of adding seed noise. The
 judge is not used: validation compares policies on the agent's verifiable reward.
 """
 
@@ -26,7 +27,8 @@ def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) 
     """Evaluate `policy` (default: the run's policy after `step` updates); stored in step `step`'s folder."""
     policy = policy or config.policy(step)
     scenarios = val_scenarios(config)
-    rollouts = asyncio.run(run_groups(config, step, scenarios, policy, "eval", 1, f"eval step {step} ({policy})"))
+    rollouts = asyncio.run(run_groups(config, 0, scenarios, policy, "eval", 1, f"eval step {step} ({policy})",
+                                      storage_step=step))
     scored = score_groups_fn(config, step, scenarios, rollouts, out=EVAL_SCORED, prefix="val", use_judge=False)
     return scored["metrics"]
 
