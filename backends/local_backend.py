@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from typing import Any
 
+from agents.group_metrics import merge_step_metrics, summarize
 from agents.model import Model, TrainableModel, TrainConfig, TrainResult
 from agents.trajectory import TrajectoryGroup
 from storage.store import RunStore
@@ -23,25 +23,6 @@ from storage.store import RunStore
 from . import policy_store
 
 log = logging.getLogger("trajflow")
-
-
-def group_metrics(groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
-    """Mean/std reward, exception count and mean per-trajectory metrics, prefixed by the split."""
-    trajs = [t for g in groups for t in g.trajectories if not t.error]
-    rewards = [t.reward for t in trajs]
-    n = len(rewards)
-    mean = sum(rewards) / n if n else 0.0
-    out = {f"{split}/reward": mean,
-           f"{split}/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else 0.0,
-           f"{split}/trajectories": float(n),
-           f"{split}/exceptions": float(sum(len(g.exceptions) for g in groups))}
-    values: dict[str, list[float]] = {}
-    for t in trajs:
-        for k, v in t.metrics.items():
-            if isinstance(v, (int, float)) and math.isfinite(float(v)):
-                values.setdefault(k, []).append(float(v))
-    out.update({f"{split}/{k}": sum(v) / len(v) for k, v in values.items()})
-    return out
 
 
 class _RunState:
@@ -150,13 +131,13 @@ class LocalBackend:
             if overrides:
                 state.trainer.update_config(**overrides)
             result = await asyncio.to_thread(policy_store.train_step, state.store, step, state.trainer, groups)
-            metrics = {**group_metrics(groups, "train"), **result["metrics"]}
+            metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))
             state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
             return TrainResult(step=step, metrics=metrics)
 
     async def log(self, model: Model, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
-        metrics = group_metrics(groups, split)
+        metrics = summarize(groups, split)
         if isinstance(model, TrainableModel):
             state = self._state(model)
             step = state.store.latest_step() or 0

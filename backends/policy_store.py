@@ -10,7 +10,6 @@ match the trainer's within a tolerance, so a stale adapter is an error, not a si
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.trajectory import TrajectoryGroup
+from storage.fs import sha256_local
 
 from .models import cache_root
 
@@ -36,11 +36,7 @@ class StaleAdapterError(RuntimeError):
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_local(str(path))[0]
 
 
 def save_checkpoint(store, step: int, trainer, metrics: dict[str, float]) -> dict[str, Any]:

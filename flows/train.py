@@ -21,6 +21,7 @@ from typing import Any
 
 from prefect import flow
 
+from agents.group_metrics import merge_step_metrics
 from backends.policy_store import TRAINING_RESULT
 
 from tasks.crash_points import crash_point
@@ -58,17 +59,6 @@ def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None
         raise ValueError(
             f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "
             "use a new run name (--set run=...) or the original settings")
-
-
-def merge_step_metrics(agent: dict[str, float], *system: dict[str, float]) -> dict[str, float]:
-    """The step's metrics; an agent metric named like a trainer/publish one (e.g. an agent's `loss`
-    becoming `train/loss`) is kept as `<name>.agent` instead of being silently overwritten."""
-    merged: dict[str, float] = {}
-    for part in system:
-        merged.update(part)
-    for key, value in agent.items():
-        merged[f"{key}.agent" if key in merged else key] = value
-    return merged
 
 
 class StageTimer:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Any
 
 from prefect import task
 
+from agents.group_metrics import summarize
 from agents.rewards import set_reward
 from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
@@ -89,32 +89,6 @@ def _trace_scores(config: RunConfig, step, groups: list[TrajectoryGroup]) -> Non
             if index is not None:
                 tracer.score_trajectory(rollout_trace_id(config.run, step, group.scenario_id, int(index)), traj)
     tracer.flush()
-
-
-def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str, float]:
-    """Mean/std reward, failure counts and mean of every per-trajectory numeric metric."""
-    rewards = [t.reward for g in groups for t in g.trajectories if not t.error]
-    n = len(rewards)
-    mean = sum(rewards) / n if n else 0.0
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else 0.0
-    out: dict[str, float] = {
-        f"{prefix}/reward": mean,
-        f"{prefix}/reward_std": std,
-        f"{prefix}/trajectories": float(n),
-        f"{prefix}/failed": float(sum(len(g.exceptions) for g in groups)
-                                  + sum(1 for g in groups for t in g.trajectories if t.error)),
-    }
-    sums: dict[str, list[float]] = {}
-    for g in groups:
-        for t in g.trajectories:
-            if t.error:
-                continue
-            for k, v in t.metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(float(v)):
-                    sums.setdefault(k, []).append(float(v))
-    for k, vs in sums.items():
-        out[f"{prefix}/{k}"] = sum(vs) / len(vs)
-    return out
 
 
 def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rollouts: dict[str, Any],

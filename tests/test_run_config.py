@@ -69,7 +69,7 @@ def test_scenario_cursor_is_a_function_of_seed_and_step():
 
 
 def test_agent_metrics_never_overwrite_trainer_metrics():
-    from flows.train import merge_step_metrics
+    from agents.group_metrics import merge_step_metrics
 
     merged = merge_step_metrics({"train/reward": 0.5, "train/loss": 3.0}, {"train/loss": -0.1}, {"publish/x": 1.0})
     assert merged == {"train/reward": 0.5, "train/loss": -0.1, "train/loss.agent": 3.0, "publish/x": 1.0}
