@@ -8,9 +8,10 @@ computed afterwards by overriding ``reward``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from openai import AsyncOpenAI
+from pydantic import BaseModel
 
 from .scenario import Scenario, Split
 from .trajectory import Trajectory
@@ -51,3 +52,20 @@ class BaseAgent:
     def config(self) -> dict[str, Any]:
         """Agent settings recorded with the run."""
         return {"name": self.name}
+
+
+class ConfiguredAgent(BaseAgent):
+    """An agent whose options are a pydantic model: ``Agent(config)`` or ``Agent(**options)``, not both.
+
+    A misspelt option fails validation naming it; :meth:`config` records the settings with the run.
+    """
+
+    config_class: ClassVar[type[BaseModel]]
+
+    def __init__(self, config: BaseModel | None = None, **options: Any):
+        if config is not None and options:
+            raise ValueError(f"pass either a {self.config_class.__name__} or keyword options, not both")
+        self.settings = config or self.config_class(**options)
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, **self.settings.model_dump()}

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .agent import BaseAgent
+from .agent import ConfiguredAgent
 from .scenario import Scenario, Split
 from .trajectory import Trajectory
 from .turns import last_assistant, ordered, sample_turn, split_of
@@ -96,19 +96,13 @@ def score_reply(text: str | None, answer: int, format_reward: float = 0.1) -> di
     return {"reward": reward, "correct": correct, "format_ok": format_ok, "given": given}
 
 
-class ArithmeticAgent(BaseAgent):
+class ArithmeticAgent(ConfiguredAgent):
     """Single-digit-ish arithmetic answered in an ``<answer>`` tag; see the module docstring."""
 
     name = "arithmetic"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, config: ArithmeticConfig | None = None, **options: Any):
-        if config is not None and options:
-            raise ValueError("pass either an ArithmeticConfig or keyword options, not both")
-        self.settings = config or ArithmeticConfig(**options)
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, **self.settings.model_dump()}
+    config_class = ArithmeticConfig
 
     def _universe(self) -> list[Scenario]:
         cfg = self.settings

@@ -44,7 +44,7 @@ from typing import Any, Callable
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from .agent import BaseAgent
+from .agent import ConfiguredAgent
 from .research_corpus import Corpus, build_corpus
 from .scenario import Scenario, Split
 from .tools import MODEL_ERROR_KINDS, ToolBox, ToolCall, function_tool, tool_result_message
@@ -124,21 +124,18 @@ class Episode:
         return self.no_tool_call + sum(self.errors[k] for k in MODEL_ERROR_KINDS)
 
 
-class ResearchAgent(BaseAgent):
+class ResearchAgent(ConfiguredAgent):
     """Answers directory questions with search/read/answer tools; see the module docstring."""
 
     name = "research"
     system_prompt = SYSTEM_PROMPT
 
+    config_class = ResearchConfig
+
     def __init__(self, config: ResearchConfig | None = None, **options: Any):
-        if config is not None and options:
-            raise ValueError("pass either a ResearchConfig or keyword options, not both")
-        self.settings = config or ResearchConfig(**options)
+        super().__init__(config, **options)
         if self.settings.val_fraction + self.settings.test_fraction >= 1:
             raise ValueError("val_fraction + test_fraction must leave some documents for training")
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, **self.settings.model_dump()}
 
     @property
     def corpus(self) -> Corpus:

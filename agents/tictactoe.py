@@ -41,7 +41,7 @@ from typing import Any, Literal
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from .agent import BaseAgent
+from .agent import ConfiguredAgent
 from .scenario import Scenario, Split
 from .trajectory import Trajectory
 from .turns import ContextExhausted, ordered, sample_turn
@@ -200,19 +200,13 @@ class TicTacToeConfig(BaseModel):
                                   "takes an occupied cell (the game ends there)")
 
 
-class TicTacToeAgent(BaseAgent):
+class TicTacToeAgent(ConfiguredAgent):
     """Plays tic-tac-toe with ``<move>`` replies against the scripted opponent; see the module docstring."""
 
     name = "tictactoe"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, config: TicTacToeConfig | None = None, **options: Any):
-        if config is not None and options:
-            raise ValueError("pass either a TicTacToeConfig or keyword options, not both")
-        self.settings = config or TicTacToeConfig(**options)
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, **self.settings.model_dump()}
+    config_class = TicTacToeConfig
 
     def scenarios(self, split: Split, seed: int) -> list[Scenario]:
         cfg = self.settings
