@@ -18,9 +18,9 @@ The per-chunk float32 math (``_chunk_stats``, ``_chunk_grad``) runs eagerly, or 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from .compiled import kernel
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float):
@@ -49,35 +49,9 @@ def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
     return g.to(out_dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
-def _guarded(compiled, eager):
-    """``compiled`` until it fails once (no Triton or C compiler here, say): then ``eager``, with a warning."""
-
-    def run(*args):
-        if "failed" not in _COMPILED:
-            try:
-                return compiled(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the same math runs eagerly; a real error re-raises there
-                _COMPILED["failed"] = f"{type(exc).__name__}: {exc}"[:300]
-                warnings.warn(f"torch.compile of the logprob chunk math failed, running it eagerly: "
-                              f"{_COMPILED['failed']}", RuntimeWarning, stacklevel=2)
-        return eager(*args)
-
-    return run
-
-
 def _kernels(compile: bool):
-    """(stats, grad) per-chunk functions: eager, or torch.compile'd once per process (dynamic shapes)."""
-    if not compile:
-        return _chunk_stats, _chunk_grad
-    if "stats" not in _COMPILED:
-        _COMPILED["stats"] = _guarded(torch.compile(_chunk_stats, dynamic=True), _chunk_stats)
-        _COMPILED["grad"] = _guarded(torch.compile(_chunk_grad, dynamic=True), _chunk_grad)
-    return _COMPILED["stats"], _COMPILED["grad"]
+    """(stats, grad) per-chunk functions: eager, or torch.compile'd once per process (``backends.compiled``)."""
+    return kernel(_chunk_stats, compile), kernel(_chunk_grad, compile)
 
 
 class _ChunkedLogprob(torch.autograd.Function):

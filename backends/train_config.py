@@ -7,9 +7,9 @@ and fix its gaps (one optimizer step per call with real gradient accumulation, e
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Per-loss clip defaults (epsilon, epsilon_high) used when the fields are left at None.
 # CISPO: ART's [0, 5] importance-weight clip; PPO: DAPO's clip-higher; GSPO: the GSPO paper's values.
@@ -168,13 +168,13 @@ class TrainerConfig(BaseModel):
         "defaults: no checkpointing 36.4k tokens/s at 47.7 GiB, 0.25 33.4-34.1k at 38.5 GiB; 0.5 (older "
         "ops) 28.5k at 28.4 GiB (benchmarks/results/training-h200.md).",
     )
-    memory_efficient_ops: bool = Field(
-        default=False,
+    memory_efficient_ops: Literal["auto", "on", "off"] = Field(
+        default="auto",
         description="Swap RMSNorm and SwiGLU (Llama/Qwen-style modules) for autograd functions that store "
-        "only their inputs and recompute the rest in backward; forward numerics unchanged, peft backend only. "
-        "Measured on an H200 (1.5B, 16k-token micro-batches, 25% of layers checkpointed): 5.5 GiB less peak "
-        "memory but 26% fewer tokens/s (plain-PyTorch elementwise backward), so off by default; checkpointing "
-        "more layers is the cheaper way to save memory.",
+        "only their inputs and recompute the rest in backward; with fused_lora the whole LoRA MLP becomes one "
+        "op that stores half of stock's activations. Elementwise math compiled on CUDA; peft backend only. "
+        "'auto': on for CUDA, off on CPU (CPU numerics stay identical to stock). See "
+        "benchmarks/results/training-h200.md for tokens/s and peak memory with and without.",
     )
     fused_lora: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -208,6 +208,18 @@ class TrainerConfig(BaseModel):
         description="Base-model dtype. 'auto': bfloat16 on CUDA, float32 on CPU (CPU bf16 is slow and "
         "lossy). LoRA weights and optimizer state stay float32 either way.",
     )
+
+    # Knobs that change only speed and memory (the step's function is the same up to rounding): a run may
+    # resume with other values, e.g. on a machine with less GPU memory.
+    SPEED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "micro_batch_tokens", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops",
+        "fused_lora", "compile_logprobs", "logprob_chunk")
+
+    @field_validator("memory_efficient_ops", mode="before")
+    @classmethod
+    def _switch_from_bool(cls, value):
+        """Configs written when this was a bool: True/False mean 'on'/'off'."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _schedule_has_length(self) -> TrainerConfig:

@@ -15,8 +15,9 @@ One ``train_step(groups)`` call is exactly one optimizer step:
 
 The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
 the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
-On CUDA each LoRA linear runs as one fused op and the logprob chunk math is compiled, by default
-(``TrainerConfig.fused_lora``, ``compile_logprobs``).
+On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
+ops with compiled elementwise kernels, and the logprob chunk math is compiled
+(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from agents.trajectory import TrajectoryGroup
 from .advantages import kl_shaping
 from .checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
 from .logprobs import chunked_logprobs
-from .memory_efficient_ops import patch_lora, patch_model
+from .fused_lora import patch_lora
+from .memory_efficient_ops import patch_model
 from .losses import assign_aggregation_weights, policy_loss
 from .packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
 from .rows import TrainingRow, build_rows
@@ -138,9 +140,11 @@ class GRPOTrainer:
         self._lm = self.model.get_base_model()
         self._lm.config.use_cache = False
         self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
-        self.patched_ops = patch_model(self._lm) if config.memory_efficient_ops and self.backend == "peft" else {}
-        fused = config.fused_lora == "on" or (config.fused_lora == "auto" and self.device.type == "cuda")
-        self.fused_lora_layers = patch_lora(self.model) if fused and self.backend == "peft" else 0
+        on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
+        fused = config.fused_lora == "on" or (config.fused_lora == "auto" and on_cuda)
+        lean = config.memory_efficient_ops == "on" or (config.memory_efficient_ops == "auto" and on_cuda)
+        self.patched_ops = patch_model(self._lm, compile=on_cuda, fuse_lora=fused) if lean and peft_path else {}
+        self.fused_lora_layers = patch_lora(self.model) if fused and peft_path else 0
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):

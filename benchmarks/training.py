@@ -10,9 +10,10 @@ Measured (each after one warm-up step, over ``--steps`` optimizer steps):
 - ``ours/*``: GRPOTrainer.train_step at 16k tokens per micro-batch (rows packed without padding,
   varlen causal attention per row, chunked logprobs on trained tokens only), with gradient
   checkpointing on none / a fraction / all of the layers, with or without the fused LoRA linear
-  (``+fused``), compiled logprob chunk math (``+compiled-logprobs``), memory_efficient_ops, expandable
-  allocator segments. Unsuffixed ``ours/*`` names are the configuration measured on 2026-11-29 (peft's
-  LoRA forward, eager logprobs), not today's defaults.
+  (``+fused``), compiled logprob chunk math (``+compiled-logprobs``), lean ops (``+lean``:
+  memory_efficient_ops, with the fused LoRA SwiGLU MLP when fused), expandable allocator segments.
+  Unsuffixed ``ours/*`` names are the configuration measured on 2026-11-29 (peft's LoRA forward, eager
+  logprobs, stock ops), not today's defaults; ``ours/defaults`` is whatever today's 'auto' settings give.
 - ``baseline/*``: the same CISPO loss written plainly: rows padded into micro-batches of at most 16k
   tokens (padding included), ``model(input_ids, attention_mask).logits`` over every position,
   float32 log_softmax, gather; peft LoRA, same AdamW. With and without HF gradient checkpointing.
@@ -289,10 +290,11 @@ def main() -> None:
     common = dict(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
                   max_row_tokens=max_len, micro_batch_tokens=mb, seed=0, backend="peft")
     gc = dict(gradient_checkpointing=True)
-    lean = dict(memory_efficient_ops=True)
-    peft_ops = dict(fused_lora="off", compile_logprobs="off")  # as measured before either existed
-    fused = dict(fused_lora="on", compile_logprobs="off")
-    fused_comp = dict(fused_lora="on", compile_logprobs="on")  # the GPU defaults since commit 80e1523
+    lean = dict(memory_efficient_ops="on")
+    peft_ops = dict(fused_lora="off", compile_logprobs="off", memory_efficient_ops="off")  # before any existed
+    fused = dict(fused_lora="on", compile_logprobs="off", memory_efficient_ops="off")
+    fused_comp = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="off")  # GPU defaults 80e1523
+    fused_comp_lean = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="on")  # since 2026-11-29b
     exp = "expandable_segments:True"  # caching-allocator setting of a variant (default: PyTorch's own)
     variants = {
         "ours/no-checkpointing": ("ours", dict(common, **peft_ops), ""),
@@ -300,7 +302,7 @@ def main() -> None:
         "ours/checkpoint-25%": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.25), ""),
         "ours/checkpoint-50%": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.5), ""),
         "ours/checkpoint-all": ("ours", dict(common, **peft_ops, **gc), ""),
-        "ours/checkpoint-25%-lean-ops": ("ours", dict(common, **peft_ops, **gc, **lean,
+        "ours/checkpoint-25%-lean-ops": ("ours", dict({**common, **peft_ops, **lean}, **gc,
                                                       checkpoint_layer_fraction=0.25), ""),
         "ours/no-checkpointing+expandable": ("ours", dict(common, **peft_ops), exp),
         "ours/checkpoint-25%+expandable": ("ours", dict(common, **peft_ops, **gc, checkpoint_layer_fraction=0.25),
@@ -311,7 +313,7 @@ def main() -> None:
         "ours/checkpoint-12%+fused+expandable": ("ours", dict(common, **fused, **gc, checkpoint_layer_fraction=0.125),
                                                  exp),
         "ours/no-checkpointing+fused+expandable": ("ours", dict(common, **fused), exp),
-        "ours/no-checkpointing+fused+lean-ops+expandable": ("ours", dict(common, **fused, **lean), exp),
+        "ours/no-checkpointing+fused+lean-ops+expandable": ("ours", {**common, **fused, **lean}, exp),
         "ours/checkpoint-25%+fused+expandable+compiled-logprobs": (
             "ours", dict(common, **fused_comp, **gc, checkpoint_layer_fraction=0.25), exp),
         "ours/checkpoint-25%+fused+expandable+compiled-logprobs+chunk-4096": (
@@ -319,6 +321,14 @@ def main() -> None:
         "ours/checkpoint-25%+fused+compiled-logprobs": (
             "ours", dict(common, **fused_comp, **gc, checkpoint_layer_fraction=0.25), ""),
         "ours/no-checkpointing+fused+expandable+compiled-logprobs": ("ours", dict(common, **fused_comp), exp),
+        "ours/defaults": ("ours", dict(common), ""),  # whatever 'auto' resolves to on this machine
+        "ours/no-checkpointing+fused+compiled-logprobs+lean": ("ours", dict(common, **fused_comp_lean), ""),
+        "ours/no-checkpointing+fused+compiled-logprobs+lean+chunk-4096": (
+            "ours", dict(common, **fused_comp_lean, logprob_chunk=4096), ""),
+        "ours/checkpoint-25%+fused+compiled-logprobs+lean": (
+            "ours", dict(common, **fused_comp_lean, **gc, checkpoint_layer_fraction=0.25), ""),
+        "ours/no-checkpointing+fused+compiled-logprobs+lean+expandable": ("ours", dict(common, **fused_comp_lean),
+                                                                          exp),
         "baseline/no-checkpointing": ("baseline", dict(common), ""),
         "baseline/checkpointing": ("baseline-gc", dict(common), ""),
     }

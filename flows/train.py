@@ -23,6 +23,7 @@ from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
 from backends.policy_store import TRAINING_RESULT
+from backends.train_config import TrainerConfig
 
 from tasks.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
@@ -50,10 +51,12 @@ def _differs(stored: Any, current: Any) -> bool:
 
 
 def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
-    """Refuse to continue a run whose identity-defining settings changed."""
+    """Refuse to continue a run whose identity-defining settings changed (trainer speed knobs may change)."""
     if not stored:
         return
     current = config.model_dump(mode="json")
+    stored = {**stored, "trainer": {k: v for k, v in (stored.get("trainer") or {}).items()
+                                    if k not in TrainerConfig.SPEED_FIELDS}} if "trainer" in stored else stored
     changed = [f for f in IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
     if changed:
         raise ValueError(

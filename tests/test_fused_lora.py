@@ -1,10 +1,10 @@
-"""Fused LoRA linear (memory_efficient_ops.patch_lora) and the compiled-logprob switch on the tiny model."""
+"""Fused LoRA linear (fused_lora.patch_lora) and the compiled-logprob switch on the tiny model."""
 
 import pytest
 import torch
 
 from backends.logprobs import chunked_logprobs, full_logprobs
-from backends.memory_efficient_ops import lora_linear
+from backends.fused_lora import lora_linear
 from backends.train_config import TrainerConfig
 from backends.trainer import GRPOTrainer
 from tests.fixtures_trainer import synthetic_group
@@ -84,9 +84,9 @@ def test_fused_lora_with_dropout_uses_peft_and_resumes_bit_exactly(tiny_model_pa
 
 
 def test_compiled_logprobs_fall_back_to_the_same_eager_math(monkeypatch):
-    import backends.logprobs as lp
+    from backends import compiled as kernels
 
-    monkeypatch.setattr(lp, "_COMPILED", {})
+    kernels.reset()
     attempts = []
 
     def failing_compile(fn, dynamic):
@@ -102,10 +102,12 @@ def test_compiled_logprobs_fall_back_to_the_same_eager_math(monkeypatch):
     targets = torch.randint(0, 32, (10,), generator=g)
     eager_logp, eager_entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7)
     (eager_grad,) = torch.autograd.grad(eager_logp.sum(), hidden)
-    with pytest.warns(RuntimeWarning, match="running it eagerly: RuntimeError: no triton on this machine"):
+    with pytest.warns(RuntimeWarning, match="running every kernel eagerly: RuntimeError: no triton on this machine"):
         logp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7, compile=True)
     (grad,) = torch.autograd.grad(logp.sum(), hidden)
     assert attempts == ["_chunk_stats"]  # tried once, then eager for good (backward too)
+    assert kernels.failure() == "RuntimeError: no triton on this machine"
+    kernels.reset()
     assert torch.equal(logp, eager_logp) and torch.equal(entropy, eager_entropy) and torch.equal(grad, eager_grad)
     ref_logp, ref_entropy = full_logprobs(hidden, weight, targets, temperature=0.7)
     assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)

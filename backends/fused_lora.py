@@ -1,0 +1,143 @@
+"""Fused LoRA linear: y = x W^T + b + s * B(A x) as one autograd op (``TrainerConfig.fused_lora``).
+
+peft computes base(x) + (B(A(x)) * s) as four full-width passes over the output (B's product, the
+scaling, the add, and in backward the scaling again plus a separate accumulation of the two input
+gradients). ``_LoraLinear`` computes the same function with the scaling folded into B and the adds
+folded into the matrix products' epilogues (``addmm_``), in the compute dtype c (the autocast dtype,
+else x's):
+
+    z = x A_c^T,   y = x W^T + b + z (sB)_c^T
+    dL/dz = g (sB)_c,   dL/dx = g W + (dL/dz) A_c,   dL/dA = (dL/dz)^T x,   dL/dB = s g^T z
+
+It stores what peft's path stores (x and z; W, A and sB are parameters or tiny copies). The result
+differs from peft's only by rounding (s is applied to B before the cast instead of to the product).
+Applied only where it is exact in form: one active plain LoRA adapter (no DoRA or other variant), no
+dropout, not merged, adapters enabled, frozen base weight and bias; anything else calls peft.
+``lora_forward`` / ``lora_backward`` are the two halves, also used by the fused SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoraParts:
+    """One fusable LoRA linear, cast for compute: base weight/bias, A_c, (sB)_c, the scaling s."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora_a: torch.Tensor  # the fp32 master parameters (gradients go to these)
+    lora_b: torch.Tensor
+    scaling: float
+
+
+def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype):
+    """(W_c, b_c, A_c, (sB)_c) in the compute dtype."""
+    return (weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype),
+            (lora_b * scaling).to(dtype))
+
+
+def lora_forward(x2, w, bias, a, sb):
+    """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T."""
+    z = x2 @ a.t()
+    y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+    y.addmm_(z, sb.t())
+    return y, z
+
+
+def lora_input_grad(g, gz, w, a, into=None):
+    """dL/dx = g W + gz A (gz = dL/dz = g sB), added into ``into`` when given."""
+    grad_x = (g @ w) if into is None else into.addmm_(g, w)
+    return grad_x.addmm_(gz, a)
+
+
+def lora_param_grads(g, gz, x2, z, scaling: float, param_dtypes):
+    """(dL/dA, dL/dB) = (gz^T x, s g^T z), in the master parameters' dtypes."""
+    return (gz.t() @ x2).to(param_dtypes[0]), (g.t() @ z).to(param_dtypes[1]).mul_(scaling)
+
+
+def lora_backward(g, x2, w, a, sb, z, scaling: float, param_dtypes, need_x: bool = True):
+    """(dL/dx, dL/dA, dL/dB) given dL/dy = g."""
+    gz = g @ sb
+    grad_x = lora_input_grad(g, gz, w, a) if need_x else None
+    return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, param_dtypes))
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype)
+            y, z = lora_forward(x2, w, b, a, sb)
+        ctx.save_for_backward(x2, w, a, sb, z)
+        ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
+        ctx.param_dtypes = (lora_a.dtype, lora_b.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w, a, sb, z = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
+        grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.param_dtypes,
+                                               need_x=ctx.needs_input_grad[0])
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_x, None, None, grad_a, grad_b, None, None
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None):
+    """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's)."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype)
+
+
+def fusable_parts(layer) -> LoraParts | None:
+    """The parts of a peft LoRA ``Linear`` whose forward is plain LoRA that the fused op reproduces, else None."""
+    if not hasattr(layer, "lora_A") or layer.disable_adapters or layer.merged:
+        return None
+    active = [n for n in layer.active_adapters if n in layer.lora_A.keys()]
+    if len(active) != 1 or active[0] in getattr(layer, "lora_variant", {}):
+        return None
+    name = active[0]
+    base = layer.base_layer
+    if not isinstance(base, torch.nn.Linear) or base.weight.requires_grad:
+        return None
+    if base.bias is not None and base.bias.requires_grad:
+        return None
+    if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
+        return None
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    if a.bias is not None or b.bias is not None:
+        return None
+    return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on for x's device, else x's dtype."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _fused_lora_forward(self, x, *args, **kwargs):
+    parts = None if args or kwargs else fusable_parts(self)
+    if parts is None:
+        return self._trajflow_peft_forward(x, *args, **kwargs)
+    return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,
+                             compute_dtype(x))
+
+
+def patch_lora(model) -> int:
+    """Route every peft LoRA ``Linear`` through ``_LoraLinear`` when fusable (else peft); returns how many."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    count = 0
+    for module in model.modules():
+        if type(module) is LoraLinear and not hasattr(module, "_trajflow_peft_forward"):
+            module._trajflow_peft_forward = module.forward
+            module.forward = types.MethodType(_fused_lora_forward, module)
+            count += 1
+    return count
