@@ -165,8 +165,8 @@ class TrainerConfig(BaseModel):
         default=1.0, gt=0, le=1,
         description="With gradient_checkpointing, the fraction of decoder layers that are recomputed (evenly "
         "spread). Lower trades memory back for speed. On an H200, 1.5B model, 16k-token micro-batches, GPU "
-        "defaults: no checkpointing 36.4k tokens/s at 47.7 GiB, 0.25 33.4-34.1k at 38.5 GiB; 0.5 (older "
-        "ops) 28.5k at 28.4 GiB (benchmarks/results/training-h200.md).",
+        "defaults: no checkpointing 41.2k tokens/s at 29.8 GiB, 0.25 38.0k at 24.9 GiB "
+        "(benchmarks/results/training-h200.md).",
     )
     memory_efficient_ops: Literal["auto", "on", "off"] = Field(
         default="auto",
