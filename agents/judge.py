@@ -114,6 +114,11 @@ class JudgeConfig(BaseModel):
         default=None, ge=1, description="cap on the judge's reply length; None leaves the server default"
     )
     timeout_s: float = Field(default=120.0, gt=0, description="per-request timeout in seconds")
+    max_concurrency: int = Field(
+        default=8, ge=1, le=256,
+        description="groups judged at once within a step (one request each); higher finishes scoring sooner "
+        "but may hit the judge endpoint's rate limit",
+    )
     extra_body: dict[str, Any] = Field(
         default_factory=dict,
         description="extra request fields passed through, e.g. {'chat_template_kwargs': {'enable_thinking': False}}",

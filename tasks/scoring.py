@@ -63,19 +63,30 @@ def apply_agent_reward(rt: Runtime, scenario: Scenario | None, group: Trajectory
 
 
 async def _judge_all(rt: Runtime, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """Judge groups concurrently (at most ``judge.max_concurrency`` at once, one shared client), in order.
+
+    A group with fewer than two healthy trajectories has nothing to rank and keeps its rewards. Verdicts
+    are cached as each arrives, so if one group fails (on_failure='fail'), a retry re-asks only the rest.
+    """
     from agents.judge import judge_group
 
+    config = rt.config.judge
     cache = StoreJudgeCache(rt.store)
     description = getattr(rt.agent, "system_prompt", None) or None
-    judged = []
-    for group in groups:
-        healthy = [t for t in group.trajectories if not t.error]
-        if len(healthy) < 2:
-            judged.append(group)
-            continue
-        judged.append(await judge_group(group, rt.config.judge, cache=cache, task_description=description,
-                                        rewards=rt.config.rewards))
-    return judged
+    limit = asyncio.Semaphore(config.max_concurrency)
+    client = config.make_client()
+
+    async def one(group: TrajectoryGroup) -> TrajectoryGroup:
+        if sum(1 for t in group.trajectories if not t.error) < 2:
+            return group
+        async with limit:
+            return await judge_group(group, config, client=client, cache=cache, task_description=description,
+                                     rewards=rt.config.rewards)
+
+    try:
+        return list(await asyncio.gather(*(one(g) for g in groups)))
+    finally:
+        await client.close()
 
 
 def _trace_scores(config: RunConfig, step, groups: list[TrajectoryGroup]) -> None:
