@@ -6,20 +6,26 @@ The model is the Qwen2.5-1.5B shape of ``benchmarks/training.py`` (random weight
 runs in its own Python process, because importing Unsloth patches transformers and peft for the
 whole process:
 
-- ``peft/checkpoint-25%``: GRPOTrainer backend='peft' with today's GPU defaults at the issue's shape
-  (LoRA r16 alpha 32 all-linear, 16384 tokens per micro-batch, rows packed, 25% of layers checkpointed,
-  fused LoRA, compiled logprob chunk math). It runs first and saves its freshly initialised LoRA
-  weights; the Unsloth variants load them, so step 0 starts from the same adapter on both paths.
-- ``unsloth/checkpoint-unsloth``: backend='unsloth' (``FastLanguageModel`` loader, Unsloth's kernels
-  and its 'unsloth' gradient checkpointing on every layer; one row per micro-batch, no packing).
-- ``unsloth/no-checkpointing``: the same without checkpointing.
+- ``peft/checkpoint-25%``: GRPOTrainer backend='peft' with the GPU defaults of its speed settings
+  ('auto': lean ops, fused LoRA, compiled logprob chunk math) at the issue's shape (LoRA r16 alpha 32
+  all-linear, 16384 tokens per micro-batch, rows packed, 25% of layers checkpointed). It runs first and
+  saves its freshly initialised LoRA weights; every later variant loads them, so step 0 starts from the
+  same adapter on both paths.
+- ``peft/fp32-probe``: float32 weights and plain peft/PyTorch ops, only the probe below (no step): the
+  reference both bf16 paths' logprobs are measured against.
+- ``unsloth/no-checkpointing``: backend='unsloth' (``FastLanguageModel`` loader, Unsloth's patched
+  decoder, attention and LoRA-MLP kernels; one row per micro-batch, no packing), no checkpointing.
+- ``unsloth/checkpoint-unsloth``: the same with Unsloth's 'unsloth' gradient checkpointing (every layer,
+  activations offloaded to CPU memory).
 
 In an Unsloth process ``import unsloth`` runs before transformers/peft are imported (Unsloth's advice),
-then the trainer loads the model through ``backends.unsloth_loader``. Per variant: ``--warmup-steps``
-untimed optimizer steps (step 0 is the correctness probe), then ``--steps`` timed ones. Before step 0
-each variant also reports the logprobs of a fixed 2048-token row (``sequence_logprobs``, eval mode).
-Correctness: on the same weights, adapter and rows, step 0's loss and gradient norm and the probe
-logprobs should agree between the paths up to bf16 rounding and kernel order.
+then the trainer loads the model through ``backends.unsloth_loader``. Per variant: a throwaway trainer
+runs ``--process-warmup-steps`` steps first (the first trainer of a process ran slower for several
+steps in ``benchmarks/results/training-h200.md``), then the measured trainer reports the logprobs of a
+fixed 2048-token row (``sequence_logprobs``, eval mode), runs ``--warmup-steps`` untimed steps (step 0
+is the correctness probe: fresh shared adapter, same rows) and ``--steps`` timed ones. On the same
+weights, adapter and rows, step 0's loss and gradient norm and the probe logprobs should agree between
+the paths up to bf16 rounding and kernel order; the float32 probe says how far each path is from exact.
 
 tokens/s and MFU follow ``benchmarks/training.py`` (real row tokens per wall-clock second of whole
 steps; MFU = 6 N tokens/s / 989 TFLOP/s, N the base model's parameters).
@@ -36,6 +42,7 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "U
     os.environ.setdefault(_var, "1")  # nothing outside the machine is reachable, nor should be
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -53,10 +60,14 @@ sys.path.insert(0, str(ROOT))
 INIT_ADAPTER = "init_adapter.safetensors"
 PROBE_TOKENS = 2048
 COMMON = dict(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5, seed=0)
+FP32_PROBE = "peft/fp32-probe"
 VARIANTS = {
     "peft/checkpoint-25%": dict(backend="peft", gradient_checkpointing=True, checkpoint_layer_fraction=0.25),
-    "unsloth/checkpoint-unsloth": dict(backend="unsloth", gradient_checkpointing=True),
+    # reference for the probe only: float32 weights and math, plain peft/PyTorch ops, no optimizer step
+    FP32_PROBE: dict(backend="peft", dtype="float32", fused_lora="off", compile_logprobs="off",
+                     memory_efficient_ops="off"),
     "unsloth/no-checkpointing": dict(backend="unsloth", gradient_checkpointing=False),
+    "unsloth/checkpoint-unsloth": dict(backend="unsloth", gradient_checkpointing=True),
 }
 PACKAGES = ("torch", "transformers", "peft", "triton", "accelerate", "unsloth", "unsloth_zoo", "bitsandbytes", "trl",
             "datasets", "torchao", "cut_cross_entropy", "xformers", "flash_attn", "pydantic")
@@ -183,6 +194,19 @@ def worker(args) -> None:
                    micro_batch_tokens=1024 if args.smoke else args.micro_batch_tokens)
         result["config"] = cfg
         save()
+        step_tokens = 6000 if args.smoke else args.step_tokens
+        probe_only = args.worker == FP32_PROBE
+        if args.process_warmup_steps and not probe_only:  # a throwaway trainer first: see the module docstring
+            t1 = time.perf_counter()
+            warm = GRPOTrainer(args.model_dir, TrainerConfig(**cfg), device=device)
+            for k in range(args.process_warmup_steps):
+                warm.train_step(synthetic_groups(k, shape["vocab_size"], step_tokens, min_len, max_len))
+            del warm
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            result["info"]["process_warmup_s"] = round(time.perf_counter() - t1, 1)
+            print(f"  {args.worker}: process warm-up {result['info']['process_warmup_s']} s", flush=True)
         t1 = time.perf_counter()
         trainer = GRPOTrainer(args.model_dir, TrainerConfig(**cfg), device=device)
         result["info"]["load_s"] = round(time.perf_counter() - t1, 1)
@@ -191,8 +215,7 @@ def worker(args) -> None:
         prompt, completion = probe_row(shape["vocab_size"])
         result["probe_logprobs"] = [round(x, 5) for x in trainer.sequence_logprobs(prompt, completion)]
         save()
-        step_tokens = 6000 if args.smoke else args.step_tokens
-        for k in range(args.warmup_steps + args.steps):
+        for k in range(0 if probe_only else args.warmup_steps + args.steps):
             data = synthetic_groups(k, shape["vocab_size"], step_tokens, min_len, max_len)
             _reset_peak(device)
             _sync(device)
@@ -224,7 +247,7 @@ def run_variant(name: str, args, folder: Path, timeout: float) -> dict:
     part = folder / (name.replace("/", "_") + ".json")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--part", str(part),
            "--model-dir", str(folder), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-           "--step-tokens", str(args.step_tokens), "--micro-batch-tokens", str(args.micro_batch_tokens)]
+           "--step-tokens", str(args.step_tokens), "--process-warmup-steps", str(args.process_warmup_steps), "--micro-batch-tokens", str(args.micro_batch_tokens)]
     if args.smoke:
         cmd.append("--smoke")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -259,27 +282,35 @@ def summarise_variant(res: dict, n_params: int) -> dict:
     return row
 
 
+def _probe_diff(a: list[float] | None, b: list[float] | None) -> dict | None:
+    if not a or not b or len(a) != len(b):
+        return None
+    d = [abs(x - y) for x, y in zip(a, b)]
+    return {"max": max(d), "mean": sum(d) / len(d), "tokens": len(d)}
+
+
 def compare(runs: list[dict], summary: list[dict]) -> dict:
-    """Each Unsloth variant against the peft variant: step-0 loss and grad norm, probe logprobs, speed."""
-    base = next((r for r in runs if r["name"].startswith("peft")), None)
-    base_row = next((s for s in summary if s["name"].startswith("peft")), {})
+    """Each variant against the bf16 peft variant (step-0 loss and grad norm, probe logprobs, speed) and
+    every variant's probe logprobs against the float32 reference."""
+    base = next((r for r in runs if r["name"].startswith("peft") and r["name"] != FP32_PROBE), None)
+    base_row = next((s for s in summary if base is not None and s["name"] == base["name"]), {})
+    ref = next((r for r in runs if r["name"] == FP32_PROBE), {})
     out = {}
-    if base is None or not base.get("steps"):
-        return out
     for run, row in zip(runs, summary):
-        if run is base or not run.get("steps"):
-            continue
         c = {}
-        for key in ("loss", "grad_norm"):
-            a, b = base["steps"][0][key], run["steps"][0][key]
-            c[f"step0_{key}"] = {"peft": a, "unsloth": b, "rel_diff": abs(a - b) / max(abs(a), 1e-12)}
-        pa, pb = base.get("probe_logprobs"), run.get("probe_logprobs")
-        if pa and pb and len(pa) == len(pb):
-            d = [abs(x - y) for x, y in zip(pa, pb)]
-            c["probe_logprob_abs_diff"] = {"max": max(d), "mean": sum(d) / len(d), "tokens": len(d)}
-        if "tokens_per_s" in row and "tokens_per_s" in base_row:
-            c["tokens_per_s_ratio"] = round(row["tokens_per_s"] / base_row["tokens_per_s"], 3)
-        out[run["name"]] = c
+        if run["name"] != FP32_PROBE and (diff := _probe_diff(ref.get("probe_logprobs"), run.get("probe_logprobs"))):
+            c["probe_logprob_abs_diff_vs_fp32"] = diff
+        if base is not None and run is not base and base.get("steps") and run.get("steps"):
+            for key in ("loss", "grad_norm"):
+                a, b = base["steps"][0][key], run["steps"][0][key]
+                c[f"step0_{key}"] = {"peft": a, "this": b, "abs_diff": abs(a - b),
+                                     "rel_diff": abs(a - b) / max(abs(a), 1e-12)}
+            if diff := _probe_diff(base.get("probe_logprobs"), run.get("probe_logprobs")):
+                c["probe_logprob_abs_diff_vs_peft"] = diff
+            if "tokens_per_s" in row and "tokens_per_s" in base_row:
+                c["tokens_per_s_ratio_vs_peft"] = round(row["tokens_per_s"] / base_row["tokens_per_s"], 3)
+        if c:
+            out[run["name"]] = c
     return out
 
 
@@ -288,6 +319,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (step 0 is the probe)")
+    ap.add_argument("--process-warmup-steps", type=int, default=2, help="steps of a throwaway trainer before "
+                    "the measured one, in each variant's process (0: none)")
     ap.add_argument("--step-tokens", type=int, default=98304, help="row tokens per optimizer step")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--only", default="", help="comma list of variants, in order (default: all of " + ", ".join(VARIANTS).replace("%", "%%") + ")")
