@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from backends.engine_kvcache import SlotKVCache
 from backends.engine_lora import GROUPS, LoraSlots
+from backends.logits import logits_fp32
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -181,7 +182,7 @@ class DecoderRunner:
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.final_norm), self.lm_head).float()
+        return logits_fp32(rms_norm(x, self.final_norm), self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,

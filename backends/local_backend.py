@@ -38,7 +38,7 @@ class LocalBackend:
     """Inference and training in this process; checkpoints and trajectories in `storage` (local or s3://)."""
 
     def __init__(self, storage: str | None = None, device: str = "auto", host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_loras: int = 4, probe_tolerance: float = 0.05):
+                 api_key: str | None = None, max_loras: int = 4, probe_tolerance: float | None = None):
         self.storage = storage or os.environ.get("TRAJFLOW_STORAGE", "runs")
         self.device = device
         self.host, self.port, self.api_key, self.max_loras = host, port, api_key, max_loras

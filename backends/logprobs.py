@@ -12,7 +12,8 @@ d logp_t / d z_t = onehot(y_t) - softmax(z_t). Peak extra memory is one chunk's 
 sequence length. The entropy is a metric only (no gradient). The caller passes just the positions
 that carry loss, so prompt and tool tokens cost no vocabulary projection at all.
 
-The per-chunk float32 math (``_chunk_stats``, ``_chunk_grad``) runs eagerly, or through torch.compile
+Logits are float32 straight out of the matrix product (``backends.logits``: no bf16 rounding of the
+logits, as in the inference engine). The per-chunk float32 math (``_chunk_stats``, ``_chunk_grad``) runs eagerly, or through torch.compile
 (``compile=True``: fused kernels that read each chunk's logits once instead of several float32 passes).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .compiled import kernel
+from .logits import logits_fp32
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float):
@@ -64,7 +66,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logp[s:e], entropy[s:e], lse_all[s:e] = stats(hidden[s:e] @ weight.t(), targets[s:e], inv_temp)
+            logp[s:e], entropy[s:e], lse_all[s:e] = stats(logits_fp32(hidden[s:e], weight), targets[s:e], inv_temp)
         ctx.save_for_backward(hidden, weight, targets, lse_all)
         ctx.chunk, ctx.inv_temp, ctx.compile = chunk, inv_temp, compile
         ctx.mark_non_differentiable(entropy)
@@ -80,7 +82,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         n = hidden.shape[0]
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
-            g = grad_fn(hidden[s:e] @ weight.t(), targets[s:e], lse_all[s:e], grad_logp[s:e], ctx.inv_temp,
+            g = grad_fn(logits_fp32(hidden[s:e], weight), targets[s:e], lse_all[s:e], grad_logp[s:e], ctx.inv_temp,
                         hidden.dtype)
             if need_h:
                 grad_h[s:e] = g @ weight
@@ -108,7 +110,7 @@ def chunked_logprobs(
 
 def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """The unchunked reference: materialises all [N, V] logits (used by tests and the baseline)."""
-    logits = (hidden @ weight.t()).float() / temperature
+    logits = logits_fp32(hidden, weight) / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(1, targets[:, None].long()).squeeze(1), entropy.detach()

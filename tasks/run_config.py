@@ -40,10 +40,11 @@ class InferenceConfig(BaseModel):
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
     tool_call_parser: str = Field(default="hermes", description="vLLM: tool-call parser matching the chat template")
     max_lora_rank: int = Field(default=16, description="vLLM: largest LoRA rank it must accept")
-    probe_tolerance: float = Field(
-        default=0.05,
+    probe_tolerance: float | None = Field(
+        default=None, gt=0,
         description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
-        "smaller catches subtler stale adapters",
+        "smaller catches subtler stale adapters. None: 0.05 for a float32 trainer, 0.25 for bfloat16 "
+        "(backends/policy_store.AUTO_PROBE_TOLERANCE)",
     )
 
 

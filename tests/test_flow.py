@@ -26,7 +26,7 @@ def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_pat
     m2 = store.read_manifest(2).metrics
     for key in ("train/reward", "train/loss", "val/reward", "time/step_s", "publish/probe_max_abs_diff"):
         assert key in m2, key
-    assert m2["publish/probe_max_abs_diff"] <= config.inference.probe_tolerance
+    assert m2["publish/probe_max_abs_diff"] <= m2["publish/probe_tolerance"] == 0.05  # float32 trainer: auto
     assert "val/reward" in store.read_manifest(0).metrics
     assert store.get_bytes(None, "reward_curve.png").startswith(b"\x89PNG")
     assert len(store.read_groups(2, "scored.parquet")) == 2
