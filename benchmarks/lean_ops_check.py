@@ -24,27 +24,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backends.activation_memory import saved_activation_bytes  # noqa: E402
 from backends.fused_lora import LoraParts, lora_linear  # noqa: E402
 from backends.memory_efficient_ops import lora_swiglu, rms_norm  # noqa: E402
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
-
-
-def stored_bytes(fn, params) -> int:
-    ptrs = {p.data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.data_ptr() not in ptrs:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
 
 
 def timed(fn, upstream, device, repeats: int) -> float:
@@ -85,7 +71,7 @@ def compare(name, versions, inputs, upstream, params, device, repeats):
             "output_rel_err": rel(out, ref_out),
             "grad_rel_err": [rel(g, r) for g, r in zip(gs, ref_grads)],
             "fwd_bwd_ms": timed(fn, upstream, device, repeats),
-            "stored_mib": stored_bytes(fn, params) / 2**20,
+            "stored_mib": saved_activation_bytes(fn, params) / 2**20,
         }
         print(f"{name:6s} {label:6s} out err {rows[label]['output_rel_err']:.2e}  grad errs "
               f"{', '.join(f'{e:.1e}' for e in rows[label]['grad_rel_err'])}  "

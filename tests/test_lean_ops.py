@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends.activation_memory import saved_activation_bytes
 from backends.fused_lora import LoraParts
 from backends.memory_efficient_ops import lora_swiglu
 from backends.train_config import TrainerConfig
@@ -42,21 +43,6 @@ def test_lora_swiglu_matches_the_formula_and_its_gradients():
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), name
 
 
-def _saved_activation_bytes(fn, x, params) -> int:
-    """Bytes of distinct non-parameter tensors autograd keeps for backward while ``fn(x)`` runs."""
-    param_ptrs = {p.data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.data_ptr() not in param_ptrs:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(seen.values())
-
-
 def test_lean_mlp_stores_half_of_stocks_activations(tiny_model_path, monkeypatch):
     import backends.memory_efficient_ops as ops
 
@@ -66,7 +52,8 @@ def test_lean_mlp_stores_half_of_stocks_activations(tiny_model_path, monkeypatch
     stored = {}
     for lean in ("off", "on"):
         trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on", memory_efficient_ops=lean))
-        stored[lean] = _saved_activation_bytes(trainer._lm.model.layers[0].mlp, x, list(trainer.model.parameters()))
+        mlp = trainer._lm.model.layers[0].mlp
+        stored[lean] = saved_activation_bytes(lambda: mlp(x), trainer.model.parameters())
     assert calls == [1]  # the lean trainer's MLP ran as the one fused op
     # stock keeps x, g, silu(g), u, h (+ rank-8 z's); lean keeps x, g, u (+ z's and rank-8 casts of A, sB)
     assert stored["on"] < 0.7 * stored["off"], stored
