@@ -340,6 +340,28 @@ class GRPOTrainer:
             self.model.train(was_training)
         return logp.tolist()
 
+    def greedy_continuation(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens (EOS does not
+        stop it) and each one's logprob as `sequence_logprobs` gives it. Same ops as training, no KV cache:
+        one forward of the whole sequence per token (max_tokens x prompt length work; meant for probes)."""
+        if not prompt_ids or max_tokens < 1:
+            raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
+        from .logits import logits_fp32
+
+        ids, weight = list(prompt_ids), self._lm.get_output_embeddings().weight
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(max_tokens):
+                    row = TrainingRow(ids, [False] * len(ids), [0.0] * len(ids), source="greedy_continuation")
+                    (mb,) = self._micro_batches([row])
+                    ids.append(int(logits_fp32(self._hidden(mb)[-1:], weight).argmax(-1)))
+        finally:
+            self.model.train(was_training)
+        tokens = ids[len(prompt_ids):]
+        return tokens, self.sequence_logprobs(prompt_ids, tokens)
+
     # --- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path) -> None:
         """``path/adapter`` (peft safetensors) and ``path/trainer`` (optimizer, scheduler, RNG, step, config, metrics)."""
