@@ -10,13 +10,27 @@ import httpx
 import pytest
 
 
+def _is_rollout(body: dict, model: str) -> bool:
+    """A chat request for `model` that is a rollout (not a publish probe)."""
+    from backends.policy_store import PROBE_USER
+
+    return body.get("model") == model and body.get("user") != PROBE_USER
+
+
 class CountingProxy:
-    """Forwards every request to `target` and records the JSON body of each chat completion."""
+    """Forwards every request to `target` and records the JSON body of each chat completion.
+
+    `hold_rollouts_after(model, n)` answers the first n rollout requests for `model` and leaves later
+    ones unanswered until `reset()`, so a kill after the first stored group finds the others in flight
+    (without it, fast rollouts and slow storage writes let every group land before the kill).
+    """
 
     def __init__(self, target: str):
         self.target = target.rstrip("/")
         self.chat_bodies: list[dict] = []
         self._lock = threading.Lock()
+        self._hold: tuple[str, int] | None = None  # (model, rollout requests still answered)
+        self._release = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -24,8 +38,8 @@ class CountingProxy:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
                 if method == "POST" and self.path.rstrip("/").endswith("/chat/completions"):
-                    with proxy._lock:
-                        proxy.chat_bodies.append(json.loads(body))
+                    if proxy._record(json.loads(body)):
+                        return self._held()
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
                 resp = httpx.request(method, proxy.target + self.path, content=body, headers=headers, timeout=120)
                 self.send_response(resp.status_code)
@@ -35,6 +49,13 @@ class CountingProxy:
                 self.send_header("content-length", str(len(resp.content)))
                 self.end_headers()
                 self.wfile.write(resp.content)
+
+            def _held(self) -> None:
+                proxy._wait_for_release()
+                try:  # the client was usually killed meanwhile
+                    self.send_error(503, "held by the test")
+                except OSError:
+                    pass
 
             def do_GET(self):  # noqa: N802
                 self._forward("GET")
@@ -49,18 +70,42 @@ class CountingProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def _record(self, body: dict) -> bool:
+        """Record a chat request; True if it must be held."""
+        with self._lock:
+            self.chat_bodies.append(body)
+            if self._hold is None or not _is_rollout(body, self._hold[0]):
+                return False
+            model, left = self._hold
+            if left > 0:
+                self._hold = (model, left - 1)
+                return False
+            return True
+
+    def _wait_for_release(self) -> None:
+        with self._lock:
+            release = self._release
+        release.wait(timeout=900)
+
+    def hold_rollouts_after(self, model: str, count: int) -> None:
+        with self._lock:
+            self._hold = (model, count)
+
     def reset(self) -> None:
+        """Forget recorded requests and the hold; held requests get a 503."""
         with self._lock:
             self.chat_bodies.clear()
+            self._hold = None
+            release, self._release = self._release, threading.Event()
+        release.set()
 
     def rollout_requests(self, model: str) -> list[dict]:
         """Chat requests for `model` that are rollouts (not publish probes)."""
-        from backends.policy_store import PROBE_USER
-
         with self._lock:
-            return [b for b in self.chat_bodies if b.get("model") == model and b.get("user") != PROBE_USER]
+            return [b for b in self.chat_bodies if _is_rollout(b, model)]
 
     def close(self) -> None:
+        self.reset()
         self.server.shutdown()
 
 

@@ -2,8 +2,13 @@
 
 One chain per storage kind (local folder, S3 on moto): kill (a) after the first rollout group of step
 1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
-before its commit; then run to the end. Each restart uses a new PREFECT_HOME (a new machine). The
-inference server is shared and sits behind a counting proxy, so the test sees every rollout request.
+before its commit; then run to the end. Each run is its own `python -m flows.train` process with a
+new PREFECT_HOME (a new machine). The flow processes report to the session's Prefect API server,
+which outlives the killed ones, as a shared server does in production (and each process is spared
+the ~20 s start of an ephemeral server on a fresh database). The local chain's last resume instead
+runs on Prefect's default ephemeral API with a brand-new database: nothing but the run's storage
+carries the run over. The inference server is shared and sits behind a counting proxy, so the test
+sees every rollout request.
 Asserted: no stored rollout group is requested again, the run reaches the final step, and the
 adapters are byte-identical to an uninterrupted run's on the same rollouts.
 
@@ -30,13 +35,18 @@ REPO = Path(__file__).resolve().parents[1]
 GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
-def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None = None):
+def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None = None,
+             api_url: str | None = None):
+    """One flow process on a fresh PREFECT_HOME; `api_url` None means Prefect's ephemeral API (own server)."""
     home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    env.pop("TRAJFLOW_CRASH_AT", None)
+    for key in ("TRAJFLOW_CRASH_AT", "PREFECT_API_URL"):
+        env.pop(key, None)
     if crash_at:
         env["TRAJFLOW_CRASH_AT"] = crash_at
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     cmd = [sys.executable, "-m", "flows.train", "configs/tiny.yaml", "--set", f"storage={root}",
            "--set", "agent=tests.flow_agents:EchoAgent",
            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
@@ -48,7 +58,7 @@ def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, en
         try:
             proc.wait(timeout=400)
         finally:
-            try:  # SIGKILL orphans Prefect's ephemeral API server: take the whole process group down
+            try:  # SIGKILL orphans an ephemeral API server: take the whole process group down
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
@@ -74,7 +84,11 @@ def copy_rollouts_only(store: RunStore, target: Path) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_kill_and_resume(kind, counting_server, tmp_path, request):
+def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill below
+    assert api and api.startswith("http://127.0.0.1:"), api
     env = {}
     if kind == "s3":
         bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
@@ -86,16 +100,17 @@ def test_kill_and_resume(kind, counting_server, tmp_path, request):
     store = RunStore(root, "ci", "tiny")
     proxy = counting_server
 
-    # (a) killed right after the first group of step 1 was stored
+    # (a) killed right after the first group of step 1 was stored, the other groups' requests in flight
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, "rollouts-group:1", env)
+    proxy.hold_rollouts_after("tiny@0", GROUP_SIZE)
+    code, out = run_flow(root, proxy.url, tmp_path, "rollouts-group:1", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     stored = len(store.list_files(1, "groups/"))
-    assert 1 <= stored < GROUPS and store.committed_steps() == [0]
+    assert stored == 1 and store.committed_steps() == [0]
 
     # (b) resumed: only the missing group is requested; killed in the middle of step 1's training
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, "training:1", env)
+    code, out = run_flow(root, proxy.url, tmp_path, "training:1", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - stored) * GROUP_SIZE
     assert len(store.list_files(1, "groups/")) == GROUPS
@@ -103,15 +118,16 @@ def test_kill_and_resume(kind, counting_server, tmp_path, request):
 
     # (c) resumed: step 1 trains from stored rollouts (no request), step 2 runs; killed before its commit
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, "before-commit:2", env)
+    code, out = run_flow(root, proxy.url, tmp_path, "before-commit:2", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == []
     assert len(proxy.rollout_requests("tiny@1")) == GROUPS * GROUP_SIZE
     assert store.committed_steps() == [0, 1] and store.exists(2, "training.json")
 
-    # resumed to the end: nothing of step 2 is sampled again, and the result equals the uninterrupted run
+    # resumed to the end: nothing of step 2 is sampled again, and the result equals the uninterrupted run.
+    # The local chain does it on the default ephemeral API (a new database): only storage carries the run.
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, None, env)
+    code, out = run_flow(root, proxy.url, tmp_path, None, env, None if kind == "local" else api)
     assert code == 0, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
     assert store.committed_steps() == [0, 1, 2]
@@ -120,7 +136,7 @@ def test_kill_and_resume(kind, counting_server, tmp_path, request):
     replay_root = tmp_path / "replay"
     copy_rollouts_only(store, replay_root)
     proxy.reset()
-    code, out = run_flow(str(replay_root), proxy.url, tmp_path, None)
+    code, out = run_flow(str(replay_root), proxy.url, tmp_path, None, api_url=api)
     assert code == 0, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
     replay = RunStore(str(replay_root), "ci", "tiny")
