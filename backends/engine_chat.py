@@ -33,26 +33,19 @@ from backends.toolcalls import parse_tool_calls
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class ChatRequest(BaseModel):
-    """The body of POST /v1/chat/completions (extra keys are kept and ignored)."""
+class SamplingFields(BaseModel):
+    """Request fields chat and text completions share (extra keys are kept and ignored)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool | None = False
@@ -65,6 +58,43 @@ class ChatRequest(BaseModel):
     min_p: float | None = None
     response_format: dict[str, Any] | None = None
 
+    def unsupported(self) -> list[str]:
+        """Fields set to a value the embedded engine would have to ignore (subclasses add theirs)."""
+        return [
+            name for name, ok in (
+                ("frequency_penalty", not self.frequency_penalty), ("presence_penalty", not self.presence_penalty),
+                ("repetition_penalty", self.repetition_penalty in (None, 1.0)), ("logit_bias", not self.logit_bias),
+                ("top_k", self.top_k in (None, 0, -1)), ("min_p", not self.min_p),
+                ("response_format", (self.response_format or {}).get("type", "text") == "text"),
+                ("logprobs_mode", self.logprobs_mode in (None, "raw_logprobs")),
+            ) if not ok
+        ]
+
+    def sampling(self, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            top_logprobs=top_logprobs,
+        )
+
+
+class ChatRequest(SamplingFields):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v):
@@ -75,42 +105,29 @@ class ChatRequest(BaseModel):
         return v
 
 
-def parse_request(body: Any) -> ChatRequest:
-    """Validate a JSON body; raises RequestError with every problem named."""
+def validate_body(model: type[SamplingFields], body: Any) -> SamplingFields:
+    """Validate a JSON body as `model`; raises RequestError naming every problem, or every unsupported feature."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        req = ChatRequest.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
         raise RequestError(problems) from None
-    unsupported = [
-        name for name, ok in (
-            ("frequency_penalty", not req.frequency_penalty), ("presence_penalty", not req.presence_penalty),
-            ("repetition_penalty", req.repetition_penalty in (None, 1.0)), ("logit_bias", not req.logit_bias),
-            ("top_k", req.top_k in (None, 0, -1)), ("min_p", not req.min_p),
-            ("response_format", (req.response_format or {}).get("type", "text") == "text"),
-            ("logprobs_mode", req.logprobs_mode in (None, "raw_logprobs")),
-        ) if not ok
-    ]
+    unsupported = req.unsupported()
     if unsupported:
         raise RequestError(f"not supported by the embedded engine: {', '.join(unsupported)} (remove them, or use "
                            "their neutral values)")
     return req
 
 
+def parse_request(body: Any) -> ChatRequest:
+    """Validate a chat completions body; raises RequestError with every problem named."""
+    return validate_body(ChatRequest, body)
+
+
 def sampling_params(req: ChatRequest) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-    )
+    return req.sampling(req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
 
 
 def _text_of(content: Any, where: str) -> str | None:

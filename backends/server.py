@@ -1,6 +1,7 @@
 """The embedded OpenAI-compatible HTTP server (FastAPI) over an `Engine`, in vLLM's dialect.
 
-Routes: ``POST /v1/chat/completions`` (`engine_chat` has the request/response rules), ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions`` (`engine_chat` has the request/response rules), ``POST /v1/completions``
+(text or token-id prompts, `completions` has the rules), ``GET /v1/models``,
 ``GET /health``, ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}``,
 ``POST /v1/unload_lora_adapter {"lora_name"}``. Errors are OpenAI-shaped, ``{"error": {"message", "type", "param",
 "code"}}``: 400 for bad input (malformed messages, prompt longer than the context, unsupported parameters), 401
@@ -25,6 +26,7 @@ import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backends import completions as text_completions
 from backends.adapters import AdapterError, UnknownModel
 from backends.engine import Engine, EngineConfig, EngineStopped, RequestError
 from backends.engine_chat import TokenText, parse_request, render_prompt, response_json, sampling_params, \
@@ -113,30 +115,56 @@ def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
                                        f"{', '.join(e.available)}")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: fastapi.Request):
+    def _streamed(chunks: list[dict]) -> StreamingResponse:
+        def events():
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _answer(request: fastapi.Request, work, chunker):
+        """Run `work(body)` -> (request, response JSON) with the dialect's error mapping; stream if asked."""
         try:
-            req = parse_request(await _json(request))
-            engine.adapters.resolve(req.model)  # 404 before the template work
-            prompt = render_prompt(engine.tokenizer, req)
-            completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
+            req, response = await work(await _json(request))
         except RequestError as e:
             return error_response(400, str(e))
         except UnknownModel as e:
             return error_response(404, str(e))
         except EngineStopped as e:
             return error_response(503, str(e))
-        response = response_json(req, prompt, completions, names)
         if not req.stream:
             return JSONResponse(response)
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return _streamed(chunker(response, bool((req.stream_options or {}).get("include_usage"))))
 
-        def events():
-            for chunk in stream_chunks(response, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+    async def _chat(body):
+        req = parse_request(body)
+        engine.adapters.resolve(req.model)  # 404 before the template work
+        prompt = render_prompt(engine.tokenizer, req)
+        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
+        return req, response_json(req, prompt, completions, names)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def _complete(body):
+        req = text_completions.parse_completion_request(body)
+        engine.adapters.resolve(req.model)
+        prompts = text_completions.completion_prompts(engine.tokenizer, req, engine.vocab)
+        params = req.sampling_params()
+        jobs = [asyncio.ensure_future(engine.generate(p, params, req.model, req.n)) for p in prompts]
+        try:
+            results = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:  # one prompt failed: abort the others rather than compute unused answers
+                job.cancel()
+            raise
+        return req, text_completions.response_json(req, prompts, results, names)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await _answer(request, _chat, stream_chunks)
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await _answer(request, _complete, text_completions.stream_chunks)
 
     return app
 
