@@ -4,8 +4,21 @@ Layout inside a step folder (see storage/): ``adapter/`` (peft safetensors), ``t
 RNG, scheduler), ``training.json`` (metrics + adapter hashes, written last: the update is finished),
 ``scored.parquet`` (what was trained on). Step 0 is the seeded initial adapter (LoRA B = 0, i.e. the
 base model). Publishing downloads an adapter into a local cache (checked against the recorded hashes),
-hot-loads it as ``<name>@<step>`` and probes it: the server's logprobs of its own greedy answer must
-match the trainer's within a tolerance, so a stale adapter is an error, not a silent failure.
+hot-loads it as ``<name>@<step>`` and probes it, so a stale adapter is an error, not a silent failure.
+
+The probe record (``training.json["probe"]``, written with every checkpoint, step 0 included, wherever the
+trainer runs): prompt token ids the server itself rendered (the shortest prompt among the step's trainable
+turns, else PROBE_MESSAGES through the server's chat-template code), the trainer's greedy continuation of
+PROBE_TOKENS tokens and its raw logprob of each (`GRPOTrainer.greedy_continuation`), and the trainer's dtype.
+The publisher, with or without a trainer in its process, asks the server (``POST /v1/completions``, token-id
+prompt, temperature 0, ``ignore_eos``) to continue those ids and compares logprobs over the common prefix of
+the two continuations, plus the position where they first differ (same context there: both answers are the
+argmax of the same distribution, and the server's top logprobs give its logprob of the trainer's token). Greedy
+argmax may flip on a near-tie in bf16; after that the contexts differ and nothing more is comparable. The
+check: max |served - recorded| <= tolerance (by dtype unless configured). Without a record (runs written
+before it existed): with the trainer in process, the server's greedy chat answer is scored by
+``trainer.sequence_logprobs``; without, the new policy must answer differently from the previous one when
+the update moved the policy (weak: a stale adapter after a small update passes).
 """
 
 from __future__ import annotations
@@ -29,6 +42,9 @@ TRAINING_RESULT = "training.json"
 SCORED = "scored.parquet"
 PROBE_MESSAGES = [{"role": "user", "content": "Say something."}]
 PROBE_USER = "trajflow-publish-probe"  # marks probe requests in server logs
+PROBE_RECORD = "probe"  # the key of the probe record in training.json
+PROBE_TOKENS = 16
+PROBE_TOP_LOGPROBS = 5  # top logprobs asked of the server: its logprob of the trainer's token where they differ
 
 
 class StaleAdapterError(RuntimeError):
@@ -39,13 +55,18 @@ def sha256_file(path: Path) -> str:
     return sha256_local(str(path))[0]
 
 
-def save_checkpoint(store, step: int, trainer, metrics: dict[str, float]) -> dict[str, Any]:
-    """Upload the trainer's checkpoint as step `step`, then training.json (the 'finished' mark)."""
+def save_checkpoint(store, step: int, trainer, metrics: dict[str, float],
+                    probe_prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """Upload the trainer's checkpoint as step `step`, then training.json (the 'finished' mark) with the probe
+    record continuing `probe_prompt_ids` (None: the rendered PROBE_MESSAGES)."""
     with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
         trainer.save_checkpoint(tmp)
         hashes = store.upload_folder(step, ADAPTER, Path(tmp) / ADAPTER)
         store.upload_folder(step, TRAINER_STATE, Path(tmp) / TRAINER_STATE)
-    result = {"step": step, "metrics": metrics, "adapter": hashes}
+    started = time.perf_counter()
+    record = probe_record(trainer, probe_prompt_ids)
+    metrics = {**metrics, "train/probe_record_s": time.perf_counter() - started}
+    result = {"step": step, "metrics": metrics, "adapter": hashes, PROBE_RECORD: record}
     store.put_json(step, TRAINING_RESULT, result)
     return result
 
@@ -79,7 +100,7 @@ def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None =
     metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
     metrics["train/update_s"] = update_s
     metrics["train/probe_shift"] = policy_shift(trainer, groups)
-    result = save_checkpoint(store, step, trainer, metrics)
+    result = save_checkpoint(store, step, trainer, metrics, probe_prompt_ids(groups))
     log.info("step %d trained: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())[:8]))
     return result
 
@@ -96,6 +117,37 @@ def policy_shift(trainer, groups: list[TrajectoryGroup]) -> float:
                     new = trainer.sequence_logprobs(turn.prompt_token_ids, turn.token_ids)
                     return max(abs(a - b) for a, b in zip(new, turn.logprobs))
     return 0.0
+
+
+def probe_prompt_ids(groups: list[TrajectoryGroup]) -> list[int] | None:
+    """The shortest prompt among the trainable turns of `groups` (ids the server rendered), or None.
+
+    Shortest, not first: the trainer's greedy continuation costs PROBE_TOKENS forwards of the prompt, and a
+    short prompt leaves room for PROBE_TOKENS more tokens in the server's context."""
+    prompts = [turn.prompt_token_ids for group in groups for traj in group.trajectories if not traj.error
+               for turn in traj.sampled_turns() if turn.trainable and turn.prompt_token_ids]
+    return list(min(prompts, key=len)) if prompts else None
+
+
+def render_probe_messages(tokenizer) -> list[int]:
+    """PROBE_MESSAGES as the embedded server renders a chat request (its own code and chat template)."""
+    from .engine_chat import ChatRequest, render_prompt
+
+    return render_prompt(tokenizer, ChatRequest(model="probe", messages=PROBE_MESSAGES))
+
+
+def dtype_name(trainer) -> str:
+    return str(getattr(trainer, "dtype", "torch.float32")).removeprefix("torch.")
+
+
+def probe_record(trainer, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """What the publisher checks the server against: the trainer's greedy continuation of `prompt_ids`."""
+    source = "trained-turn"
+    if not prompt_ids:
+        prompt_ids, source = render_probe_messages(trainer.tokenizer), "probe-messages"
+    tokens, logprobs = trainer.greedy_continuation(list(prompt_ids), PROBE_TOKENS)
+    return {"prompt_token_ids": list(prompt_ids), "token_ids": tokens, "logprobs": logprobs,
+            "dtype": dtype_name(trainer), "source": source}
 
 
 def local_adapter(store, step: int, expected: dict[str, str] | None, project: str, run: str) -> Path:
@@ -129,8 +181,6 @@ def probe_messages(store, step: int) -> list[dict[str, Any]]:
     return PROBE_MESSAGES
 
 
-PROBE_TOKENS = 16
-
 
 async def _sample(client, model: str, messages, seed: int) -> tuple[list[int], list[int], list[float]]:
     """Greedy probe answer: (prompt ids, token ids, raw logprobs). Greedy tokens are likely ones, whose
@@ -153,17 +203,68 @@ async def _sample(client, model: str, messages, seed: int) -> tuple[list[int], l
 AUTO_PROBE_TOLERANCE = {"float32": 0.05, "bfloat16": 0.25}
 
 
-def probe_tolerance(trainer, configured: float | None) -> float:
+def tolerance_for(dtype: str, configured: float | None) -> float:
     if configured is not None:
         return configured
-    dtype = str(getattr(trainer, "dtype", "torch.float32")).removeprefix("torch.")
     return AUTO_PROBE_TOLERANCE.get(dtype, AUTO_PROBE_TOLERANCE["bfloat16"])
 
 
+def probe_tolerance(trainer, configured: float | None) -> float:
+    return tolerance_for(dtype_name(trainer), configured)
+
+
+async def _continue_ids(client, model: str, prompt_ids: list[int], max_tokens: int):
+    """The server's greedy continuation of exact token ids: (token ids, raw logprobs, per-token {id: logprob})."""
+    resp = await client.completions.create(
+        model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0.0, logprobs=PROBE_TOP_LOGPROBS,
+        user=PROBE_USER, extra_body={"return_token_ids": True, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    tops = [{int(k[len("token_id:"):]): v for k, v in (top or {}).items() if k.startswith("token_id:")}
+            for top in (lp.top_logprobs or [] if lp else [])]
+    served = list(lp.token_logprobs or []) if lp else []
+    return list((choice.model_extra or {}).get("token_ids") or []), served, tops
+
+
+def compare_with_record(record: dict[str, Any], token_ids: list[int], served: list[float],
+                        tops: list[dict[int, float]]) -> tuple[list[float], int]:
+    """|served - recorded| over the common prefix and the first differing position; returns (diffs, prefix)."""
+    expected_ids, expected = record["token_ids"], record["logprobs"]
+    n = min(len(token_ids), len(served), len(expected_ids))
+    same = 0
+    while same < n and token_ids[same] == expected_ids[same]:
+        same += 1
+    diffs = [abs(served[i] - expected[i]) for i in range(min(same + 1, n))]
+    if same < n and same < len(tops) and expected_ids[same] in tops[same]:
+        diffs.append(abs(tops[same][expected_ids[same]] - expected[same]))
+    return diffs, same
+
+
+async def check_record(client, name: str, record: dict[str, Any], tolerance: float | None) -> dict[str, float]:
+    """The strong publish check against a probe record (see the module docstring); StaleAdapterError if it fails."""
+    token_ids, served, tops = await _continue_ids(client, name, record["prompt_token_ids"], len(record["token_ids"]))
+    diffs, same = compare_with_record(record, token_ids, served, tops)
+    if not diffs:
+        raise StaleAdapterError(f"probe of {name} returned no token ids/logprobs; the server does not speak the "
+                                "dialect (/v1/completions with token-id prompts, return_token_ids + logprobs)")
+    diff, tolerance = max(diffs), tolerance_for(record.get("dtype", "bfloat16"), tolerance)
+    metrics = {"publish/probe_max_abs_diff": diff, "publish/probe_mean_abs_diff": sum(diffs) / len(diffs),
+               "publish/probe_tolerance": tolerance, "publish/probe_common_prefix": float(same)}
+    if diff > tolerance:
+        raise StaleAdapterError(f"server logprobs for {name} differ from the trainer's probe record by up to "
+                                f"{diff:.4f} (tolerance {tolerance}; {same} of {len(record['token_ids'])} greedy "
+                                "tokens agree); the served adapter is not the one trained at this step")
+    return metrics
+
+
 async def publish(inference, client, name: str, previous: str | None, adapter_dir: Path, messages,
-                  seed: int, trainer=None, tolerance: float | None = None) -> dict[str, float]:
-    """Load `adapter_dir` as `name` and prove it is served (see module docstring); tolerance None: by dtype."""
+                  seed: int, trainer=None, tolerance: float | None = None,
+                  record: dict[str, Any] | None = None) -> dict[str, float]:
+    """Load `adapter_dir` as `name` and prove it is served: against the probe `record` when given, else with the
+    in-process `trainer`, else (weak) against `previous` (see module docstring); tolerance None: by dtype."""
     await inference.load_adapter(name, str(adapter_dir))
+    if record is not None:
+        return await check_record(client, name, record, tolerance)
     prompt_ids, token_ids, served = await _sample(client, name, messages, seed)
     if not token_ids or len(served) != len(token_ids):
         raise StaleAdapterError(f"probe of {name} returned no token ids/logprobs; the server does not speak "

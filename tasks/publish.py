@@ -1,9 +1,11 @@
 """Publishing: hot-load the adapter of a step into the inference server and prove it is served.
 
-The mechanics (download with hash check, load, probe) are ``backends.policy_store.publish``. With the
-trainer in this process the probe compares the server's logprobs with the trainer's; with training on
-a remote GPU worker it checks the new policy answers differently from the previous one. Loading is
-idempotent; the policy two steps back is unloaded to bound server memory.
+The mechanics (download with hash check, load, probe) are ``backends.policy_store.publish``. The probe
+compares the server's greedy continuation with the probe record the trainer wrote into ``training.json``,
+wherever it ran (in this process or on a GPU worker). A step written before records existed is checked
+with the trainer in this process (``training.mode=local``) or, with training on a remote worker, only by
+asking that the new policy answer differently from the previous one. Loading is idempotent; the policy
+two steps back is unloaded to bound server memory.
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ async def _publish(rt: Runtime, step: int, adapter_dir, trainer, training: dict 
     cfg = rt.config
     inference = rt.inference_client()
     client = rt.client()
+    record = (training or {}).get(policy_store.PROBE_RECORD)
     try:
-        previous = None if trainer is not None else await _previous_policy(rt, inference, step, training)
+        weak = trainer is None and record is None
+        previous = await _previous_policy(rt, inference, step, training) if weak else None
         metrics = await policy_store.publish(
             inference, client, cfg.policy(step), previous, adapter_dir,
             policy_store.probe_messages(rt.store, step), seed=1234 + step, trainer=trainer,
-            tolerance=cfg.inference.probe_tolerance)
+            tolerance=cfg.inference.probe_tolerance, record=record)
     except Exception as exc:
         if "connect" in type(exc).__name__.lower():
             raise TransientError(f"inference server unreachable while publishing {cfg.policy(step)}: {exc}") from exc
@@ -79,7 +83,8 @@ def publish_policy_fn(config: RunConfig, step: int, training: dict[str, Any] | N
     """Make `<run>@<step>` servable and verified; returns the served name and probe metrics."""
     rt = get_runtime(config)
     adapter_dir = local_adapter(rt, step, (training or {}).get("adapter"))
-    trainer = rt.trainer_at(step) if config.training.mode == "local" else None
+    old_run = policy_store.PROBE_RECORD not in (training or {})  # written before probe records existed
+    trainer = rt.trainer_at(step) if config.training.mode == "local" and old_run else None
     metrics = asyncio.run(_publish(rt, step, adapter_dir, trainer, training))
     log.info("published %s %s", config.policy(step), metrics)
     return {"policy": config.policy(step), "metrics": metrics}
