@@ -2,13 +2,14 @@
 
 One chain per storage kind (local folder, S3 on moto): kill (a) after the first rollout group of step
 1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
-before its commit; then run to the end. Each run is its own `python -m flows.train` process with a
-new PREFECT_HOME (a new machine). The flow processes report to the session's Prefect API server,
-which outlives the killed ones, as a shared server does in production (and each process is spared
-the ~20 s start of an ephemeral server on a fresh database). The local chain's last resume instead
-runs on Prefect's default ephemeral API with a brand-new database: nothing but the run's storage
-carries the run over. The inference server is shared and sits behind a counting proxy, so the test
-sees every rollout request.
+before its commit; then run to the end. Each run is a process of its own running `flows.train` as
+`__main__` with a new PREFECT_HOME (a new machine); it is forked from tests/flow_forkserver.py, which
+imported torch, transformers and peft once (~6 s saved per run). The flow processes report to the
+session's Prefect API server, which outlives the killed ones, as a shared server does in production
+(each process is spared the ~20 s start of an ephemeral server on a fresh database). The local
+chain's last resume instead runs on Prefect's default ephemeral API with a brand-new database:
+nothing but the run's storage carries the run over. The inference server is shared and sits behind
+a counting proxy, so the test sees every rollout request.
 Asserted: no stored rollout group is requested again, the run reaches the final step, and the
 adapters are byte-identical to an uninterrupted run's on the same rollouts.
 
@@ -23,46 +24,34 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from storage.store import RunStore
 
-REPO = Path(__file__).resolve().parents[1]
 GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
-def run_flow(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None = None,
-             api_url: str | None = None):
-    """One flow process on a fresh PREFECT_HOME; `api_url` None means Prefect's ephemeral API (own server)."""
+def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str | None,
+             env_extra: dict | None = None, api_url: str | None = None):
+    """One `python -m flows.train` process on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
     home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
     for key in ("TRAJFLOW_CRASH_AT", "PREFECT_API_URL"):
         env.pop(key, None)
     if crash_at:
         env["TRAJFLOW_CRASH_AT"] = crash_at
     if api_url:
         env["PREFECT_API_URL"] = api_url
-    cmd = [sys.executable, "-m", "flows.train", "configs/tiny.yaml", "--set", f"storage={root}",
-           "--set", "agent=tests.flow_agents:EchoAgent",
-           "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
-           "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
-           "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
+    args = ["configs/tiny.yaml", "--set", f"storage={root}", "--set", "agent=tests.flow_agents:EchoAgent",
+            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
+            "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
+            "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
     log_path = tmp_path / f"flow-{os.urandom(4).hex()}.log"
-    with open(log_path, "w") as log:  # a file, not a pipe: orphaned children must not hold our reads open
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=400)
-        finally:
-            try:  # SIGKILL orphans an ephemeral API server: take the whole process group down
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return proc.returncode, log_path.read_text()
+    code = launcher.run("flows.train", args, env, str(log_path), timeout=400)
+    return code, log_path.read_text()
 
 
 def adapter_bytes(store: RunStore, step: int) -> bytes:
@@ -84,7 +73,7 @@ def copy_rollouts_only(store: RunStore, target: Path) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
+def test_kill_and_resume(kind, counting_server, prefect_api, flow_launcher, tmp_path, request):
     from prefect.settings import PREFECT_API_URL
 
     api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill below
@@ -98,19 +87,19 @@ def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
     else:
         root = str(tmp_path / "runs")
     store = RunStore(root, "ci", "tiny")
-    proxy = counting_server
+    proxy, launcher = counting_server, flow_launcher
 
     # (a) killed right after the first group of step 1 was stored, the other groups' requests in flight
     proxy.reset()
     proxy.hold_rollouts_after("tiny@0", GROUP_SIZE)
-    code, out = run_flow(root, proxy.url, tmp_path, "rollouts-group:1", env, api)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "rollouts-group:1", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     stored = len(store.list_files(1, "groups/"))
     assert stored == 1 and store.committed_steps() == [0]
 
     # (b) resumed: only the missing group is requested; killed in the middle of step 1's training
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, "training:1", env, api)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "training:1", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - stored) * GROUP_SIZE
     assert len(store.list_files(1, "groups/")) == GROUPS
@@ -118,7 +107,7 @@ def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
 
     # (c) resumed: step 1 trains from stored rollouts (no request), step 2 runs; killed before its commit
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, "before-commit:2", env, api)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "before-commit:2", env, api)
     assert code == -signal.SIGKILL, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == []
     assert len(proxy.rollout_requests("tiny@1")) == GROUPS * GROUP_SIZE
@@ -127,7 +116,7 @@ def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
     # resumed to the end: nothing of step 2 is sampled again, and the result equals the uninterrupted run.
     # The local chain does it on the default ephemeral API (a new database): only storage carries the run.
     proxy.reset()
-    code, out = run_flow(root, proxy.url, tmp_path, None, env, None if kind == "local" else api)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, None, env, None if kind == "local" else api)
     assert code == 0, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
     assert store.committed_steps() == [0, 1, 2]
@@ -136,7 +125,7 @@ def test_kill_and_resume(kind, counting_server, prefect_api, tmp_path, request):
     replay_root = tmp_path / "replay"
     copy_rollouts_only(store, replay_root)
     proxy.reset()
-    code, out = run_flow(str(replay_root), proxy.url, tmp_path, None, api_url=api)
+    code, out = run_flow(launcher, str(replay_root), proxy.url, tmp_path, None, api_url=api)
     assert code == 0, out[-3000:]
     assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
     replay = RunStore(str(replay_root), "ci", "tiny")
