@@ -181,7 +181,6 @@ def probe_messages(store, step: int) -> list[dict[str, Any]]:
     return PROBE_MESSAGES
 
 
-
 async def _sample(client, model: str, messages, seed: int) -> tuple[list[int], list[int], list[float]]:
     """Greedy probe answer: (prompt ids, token ids, raw logprobs). Greedy tokens are likely ones, whose
     logprobs move least under bf16 rounding (dlogp ~ (1 - p) dz): on an H200, temperature-1 probes of 8

@@ -61,10 +61,10 @@ async def _publish(rt: Runtime, step: int, adapter_dir, trainer, training: dict 
     try:
         weak = trainer is None and record is None
         previous = await _previous_policy(rt, inference, step, training) if weak else None
+        messages = policy_store.probe_messages(rt.store, step) if record is None else None  # record: its own ids
         metrics = await policy_store.publish(
-            inference, client, cfg.policy(step), previous, adapter_dir,
-            policy_store.probe_messages(rt.store, step), seed=1234 + step, trainer=trainer,
-            tolerance=cfg.inference.probe_tolerance, record=record)
+            inference, client, cfg.policy(step), previous, adapter_dir, messages, seed=1234 + step,
+            trainer=trainer, tolerance=cfg.inference.probe_tolerance, record=record)
     except Exception as exc:
         if "connect" in type(exc).__name__.lower():
             raise TransientError(f"inference server unreachable while publishing {cfg.policy(step)}: {exc}") from exc
