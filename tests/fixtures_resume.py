@@ -1,17 +1,10 @@
-"""Fixtures for kill-and-resume tests: a shared tiny inference server behind a request-counting proxy, and a
-launcher of flow processes forked from tests/flow_forkserver.py."""
+"""Fixtures for kill-and-resume tests: a shared tiny inference server behind a request-counting proxy."""
 
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
@@ -126,55 +119,3 @@ def counting_server(tiny_model_path):
     proxy.close()
     handle.stop()
 
-
-class FlowLauncher:
-    """Runs `python -m <module>` processes forked from tests/flow_forkserver.py (heavy imports done once)."""
-
-    def __init__(self, cwd: str):
-        self.cwd = cwd
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.flow_forkserver"], cwd=cwd, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
-        self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._next(timeout=300)  # {"ready": true}
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._replies.put(json.loads(line))
-        self._replies.put(None)
-
-    def _next(self, timeout: float) -> dict:
-        reply = self._replies.get(timeout=timeout)
-        if reply is None:
-            raise RuntimeError(f"flow fork server exited with code {self.proc.wait()}")
-        return reply
-
-    def run(self, module: str, args: list[str], env: dict, log_path: str, timeout: float) -> int:
-        """Run one process to its end (SIGKILLed with its process group after `timeout`); its return code."""
-        self.proc.stdin.write(json.dumps({"module": module, "args": args, "env": env, "cwd": self.cwd,
-                                          "log": log_path}) + "\n")
-        self.proc.stdin.flush()
-        pid = self._next(timeout=60)["pid"]
-        try:
-            try:
-                return self._next(timeout=timeout)["returncode"]
-            except queue.Empty:
-                os.killpg(pid, signal.SIGKILL)
-                return self._next(timeout=60)["returncode"]
-        finally:
-            try:  # a SIGKILL orphans children such as an ephemeral Prefect API server: take the group down
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-@pytest.fixture(scope="session")
-def flow_launcher(tiny_model_path):
-    """Started after tiny_model_path, so forked runs inherit its TRAJFLOW_CACHE."""
-    launcher = FlowLauncher(str(Path(__file__).resolve().parents[1]))
-    yield launcher
-    launcher.close()

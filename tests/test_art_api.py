@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -97,18 +96,23 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
     assert not store.exists(1, "adapter/adapter_model.safetensors") and store.exists(2, "adapter/adapter_model.safetensors")
 
 
-def test_resume_in_a_new_process(tmp_path, tiny_model_path):
+def run_script(launcher, argv: list[str], env: dict, cwd: Path, out_dir: Path) -> tuple[int, str, str]:
+    """`python *argv` as a process of its own (forked with torch preloaded): (returncode, stdout, stderr)."""
+    out, err = out_dir / f"{os.urandom(4).hex()}.out", out_dir / f"{os.urandom(4).hex()}.err"
+    code = launcher.run(argv, env, cwd, out, err, timeout=300)
+    return code, out.read_text(), err.read_text()
+
+
+def test_resume_in_a_new_process(tmp_path, fork_launcher):
     script = tmp_path / "loop.py"
     script.write_text(CHEAT_SHEET)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.run([sys.executable, str(script), str(tmp_path / "runs"), "1"], env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "final step 1" in first.stdout
-    second = subprocess.run([sys.executable, str(script), str(tmp_path / "runs"), "3"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "final step 3" in second.stdout
+    code, out, err = run_script(fork_launcher, [str(script), str(tmp_path / "runs"), "1"], env, REPO, tmp_path)
+    assert code == 0, err[-3000:]
+    assert "final step 1" in out
+    code, out, err = run_script(fork_launcher, [str(script), str(tmp_path / "runs"), "3"], env, REPO, tmp_path)
+    assert code == 0, err[-3000:]
+    assert "final step 3" in out
     assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").committed_steps() == [0, 1, 2, 3]
 
 
@@ -139,7 +143,7 @@ def test_max_exceptions_within_and_beyond_the_limit():
     asyncio.run(main())
 
 
-def test_readme_coming_from_art_snippet_runs(tmp_path, tiny_model_path):
+def test_readme_coming_from_art_snippet_runs(tmp_path, fork_launcher):
     """The README's loop, as written, with the model swapped for tiny-random to fit CI."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Coming from ART"):]
@@ -148,9 +152,8 @@ def test_readme_coming_from_art_snippet_runs(tmp_path, tiny_model_path):
     script = tmp_path / "readme_loop.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJFLOW_STORAGE": str(tmp_path / "runs")}
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_script(fork_launcher, [str(script)], env, tmp_path, tmp_path)
+    assert code == 0, err[-3000:]
     assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").latest_step() == 3
 
 
@@ -160,12 +163,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_remote_backend_against_trajflow_backend_serve(tmp_path, tiny_model_path):
+def test_remote_backend_against_trajflow_backend_serve(tmp_path, fork_launcher):
     port = _free_port()
     env = {**os.environ, "TRAJFLOW_BACKEND_API_KEY": "k-remote-123"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "backend", "serve", "--storage", str(tmp_path),
-                             "--port", str(port), "--device", "cpu"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = tmp_path / "serve.log"
+    pid = fork_launcher.start(["-m", "flows.cli", "backend", "serve", "--storage", str(tmp_path / "store"),
+                               "--port", str(port), "--device", "cpu"], env, REPO, log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -176,7 +179,7 @@ def test_remote_backend_against_trajflow_backend_serve(tmp_path, tiny_model_path
             except httpx.HTTPError:
                 time.sleep(0.5)
         else:
-            pytest.fail("backend did not start: " + (proc.stdout.read() if proc.poll() is not None else ""))
+            pytest.fail("backend did not start: " + log.read_text()[-3000:])
         assert httpx.post(url + "/backend/step", json={"project": "p", "name": "n"}).status_code == 401
 
         async def main():
@@ -192,10 +195,11 @@ def test_remote_backend_against_trajflow_backend_serve(tmp_path, tiny_model_path
             await backend.close()
 
         asyncio.run(main())
-        assert RunStore(str(tmp_path), "my-agent", "remote-001").committed_steps() == [0, 1]
+        assert RunStore(str(tmp_path / "store"), "my-agent", "remote-001").committed_steps() == [0, 1]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            fork_launcher.wait(pid, timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
+            fork_launcher.wait(pid, timeout=20)

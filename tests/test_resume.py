@@ -3,7 +3,7 @@
 One chain per storage kind (local folder, S3 on moto): kill (a) after the first rollout group of step
 1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
 before its commit; then run to the end. Each run is a process of its own running `flows.train` as
-`__main__` with a new PREFECT_HOME (a new machine); it is forked from tests/flow_forkserver.py, which
+`__main__` with a new PREFECT_HOME (a new machine); it is forked from tests/forkserver.py, which
 imported torch, transformers and peft once (~6 s saved per run). The flow processes report to the
 session's Prefect API server, which outlives the killed ones, as a shared server does in production
 (each process is spared the ~20 s start of an ephemeral server on a fresh database). The local
@@ -30,6 +30,8 @@ import pytest
 
 from storage.store import RunStore
 
+REPO = Path(__file__).resolve().parents[1]
+
 GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
@@ -50,7 +52,7 @@ def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str 
             "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
             "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
     log_path = tmp_path / f"flow-{os.urandom(4).hex()}.log"
-    code = launcher.run("flows.train", args, env, str(log_path), timeout=400)
+    code = launcher.run(["-m", "flows.train", *args], env, REPO, log_path, timeout=400)
     return code, log_path.read_text()
 
 
@@ -73,7 +75,7 @@ def copy_rollouts_only(store: RunStore, target: Path) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_kill_and_resume(kind, counting_server, prefect_api, flow_launcher, tmp_path, request):
+def test_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
     from prefect.settings import PREFECT_API_URL
 
     api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill below
@@ -87,7 +89,7 @@ def test_kill_and_resume(kind, counting_server, prefect_api, flow_launcher, tmp_
     else:
         root = str(tmp_path / "runs")
     store = RunStore(root, "ci", "tiny")
-    proxy, launcher = counting_server, flow_launcher
+    proxy, launcher = counting_server, fork_launcher
 
     # (a) killed right after the first group of step 1 was stored, the other groups' requests in flight
     proxy.reset()
