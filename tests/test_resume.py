@@ -31,13 +31,12 @@ import pytest
 from storage.store import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
-
 GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
 def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str | None,
              env_extra: dict | None = None, api_url: str | None = None):
-    """One `python -m flows.train` process on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
+    """One `python -m flows.train` run (forked) on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
     home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
