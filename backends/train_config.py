@@ -212,11 +212,9 @@ class TrainerConfig(BaseModel):
         "lossy). LoRA weights and optimizer state stay float32 either way.",
     )
 
-    # Knobs that change only speed and memory (the step's function is the same up to rounding): a run may
-    # resume with other values, e.g. on a machine with less GPU memory.
-    SPEED_FIELDS: ClassVar[tuple[str, ...]] = (
-        "micro_batch_tokens", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops",
-        "fused_lora", "compile_logprobs", "logprob_chunk")
+    # What a run's adapter IS: a run resumes under any other trainer setting (a new learning rate, another
+    # machine's batching or checkpointing), which the flow logs; these must stay as they were.
+    IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "seed")
 
     @field_validator("memory_efficient_ops", mode="before")
     @classmethod

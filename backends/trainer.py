@@ -23,6 +23,7 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import random
 import resource
@@ -341,25 +342,28 @@ class GRPOTrainer:
         return logp.tolist()
 
     def greedy_continuation(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens (EOS does not
-        stop it) and each one's logprob as `sequence_logprobs` gives it. Same ops as training, no KV cache:
-        one forward of the whole sequence per token (max_tokens x prompt length work; meant for probes)."""
+        """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens of the float32
+        logits (EOS does not stop it) and each one's logprob as `sequence_logprobs` gives it. The same modules
+        as training, decoded with a KV cache: one prefill, one step per token, then one scoring pass."""
         if not prompt_ids or max_tokens < 1:
             raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
+        from transformers import DynamicCache
+
         from .logits import logits_fp32
 
-        ids, weight = list(prompt_ids), self._lm.get_output_embeddings().weight
+        decoder, weight = self._lm.get_decoder(), self._lm.get_output_embeddings().weight
+        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        step_ids, cache, tokens = torch.tensor([list(prompt_ids)], device=self.device), DynamicCache(), []
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 for _ in range(max_tokens):
-                    row = TrainingRow(ids, [False] * len(ids), [0.0] * len(ids), source="greedy_continuation")
-                    (mb,) = self._micro_batches([row])
-                    ids.append(int(logits_fp32(self._hidden(mb)[-1:], weight).argmax(-1)))
+                    hidden = decoder(input_ids=step_ids, use_cache=True, **{cache_arg: cache})[0][0, -1:]
+                    tokens.append(int(logits_fp32(hidden, weight).argmax(-1)))
+                    step_ids = torch.tensor([[tokens[-1]]], device=self.device)
         finally:
             self.model.train(was_training)
-        tokens = ids[len(prompt_ids):]
         return tokens, self.sequence_logprobs(prompt_ids, tokens)
 
     # --- checkpoints -----------------------------------------------------------------------------------
@@ -371,7 +375,9 @@ class GRPOTrainer:
                          metrics=self.metrics_history)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Continue exactly from a checkpoint: adapter, optimizer, scheduler, RNG, step and metrics."""
+        """Continue exactly from a checkpoint: adapter, optimizer, scheduler, RNG, step and metrics; the learning
+        rate, schedule and optimizer hyper-parameters then follow this trainer's config (the checkpoint's
+        scheduler state would otherwise keep the old base rate)."""
         from peft import set_peft_model_state_dict
 
         weights, state, meta, metrics = read_checkpoint(path)
@@ -387,3 +393,4 @@ class GRPOTrainer:
         restore_rng(state["rng"])
         self.step = int(meta["step"])
         self.metrics_history = list(metrics)
+        self.update_config()  # this trainer's settings, not the checkpoint's (identical if unchanged)

@@ -51,12 +51,21 @@ def _differs(stored: Any, current: Any) -> bool:
 
 
 def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
-    """Refuse to continue a run whose identity-defining settings changed (trainer speed knobs may change)."""
+    """Refuse to continue a run whose identity-defining settings changed; other trainer changes are logged.
+
+    Of the trainer, only ``TrainerConfig.IDENTITY_FIELDS`` (the adapter's shape and seed) define the run:
+    a run may go on with a new learning rate, loss or batching, e.g. on another machine.
+    """
     if not stored:
         return
     current = config.model_dump(mode="json")
-    stored = {**stored, "trainer": {k: v for k, v in (stored.get("trainer") or {}).items()
-                                    if k not in TrainerConfig.SPEED_FIELDS}} if "trainer" in stored else stored
+    stored_trainer, current_trainer = stored.get("trainer") or {}, current["trainer"]
+    tuned = [f"{k}: {v!r} -> {current_trainer[k]!r}" for k, v in stored_trainer.items()
+             if k in current_trainer and k not in TrainerConfig.IDENTITY_FIELDS and _differs(v, current_trainer[k])]
+    if tuned:
+        log.warning("run %s/%s continues with changed trainer settings: %s", config.project, config.run,
+                    "; ".join(tuned))
+    stored = {**stored, "trainer": {k: v for k, v in stored_trainer.items() if k in TrainerConfig.IDENTITY_FIELDS}}
     changed = [f for f in IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
     if changed:
         raise ValueError(

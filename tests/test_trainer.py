@@ -201,6 +201,11 @@ def test_resume_is_bit_exact(tiny_model_path, tmp_path):
     history = json.loads((tmp_path / "resumed" / "trainer" / "metrics.json").read_text())
     assert [h["step"] for h in history] == [1, 2, 3]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
+    # resumed under a new learning rate, the new rate (on the same schedule position) is the one used
+    retuned = _trainer(tiny_model_path, **{**RESUME_CFG, "learning_rate": 3 * RESUME_CFG["learning_rate"]})
+    retuned.load_checkpoint(tmp_path / "after1")
+    assert retuned.train_step(_resume_groups(1))["learning_rate"] == pytest.approx(
+        3 * resumed.metrics_history[1]["learning_rate"])
 
 
 def test_checkpoint_is_a_peft_adapter(tiny_model_path, tmp_path):
@@ -227,3 +232,27 @@ def test_checkpoint_is_a_peft_adapter(tiny_model_path, tmp_path):
     (tmp_path / "ckpt" / "trainer" / "state.pt").unlink()
     with pytest.raises(FileNotFoundError, match="missing trainer/state.pt"):
         trainer.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_greedy_continuation_is_the_argmax_of_full_forwards_and_scored_like_sequence_logprobs(tiny_model_path,
+                                                                                                random_adapter):
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from backends.logits import logits_fp32
+    from backends.packing import make_micro_batch
+    from backends.rows import TrainingRow
+
+    for cfg in (dict(), dict(fused_lora="on", memory_efficient_ops="on")):
+        trainer = _trainer(tiny_model_path, **cfg)
+        set_peft_model_state_dict(trainer.model, load_file(random_adapter[0] / "adapter_model.safetensors"))
+        prompt = [5, 17, 42, 7, 99, 3]
+        tokens, logprobs = trainer.greedy_continuation(prompt, 12)
+        ids = list(prompt)  # reference: the whole sequence through the training forward, token by token
+        with torch.no_grad():
+            for _ in range(12):
+                mb = make_micro_batch([TrainingRow(ids, [False] * len(ids), [0.0] * len(ids), source="ref")], "cpu")
+                ids.append(int(logits_fp32(trainer._hidden(mb)[-1:], trainer._lm.lm_head.weight).argmax(-1)))
+        assert tokens == ids[len(prompt):] and len(set(tokens)) > 1, cfg
+        assert logprobs == trainer.sequence_logprobs(prompt, tokens)
+        assert trainer.model.training  # left as it was
