@@ -79,12 +79,14 @@ class LocalBackend:
             if state.store.exists(step, policy_store.TRAINING_RESULT) else {}
         adapter = await asyncio.to_thread(policy_store.local_adapter, state.store, step, training.get("adapter"),
                                           model.project, model.name)
+        record = training.get(policy_store.PROBE_RECORD)  # absent only in steps written before records existed
+        messages = policy_store.probe_messages(state.store, step) if record is None else None
         client = policy_client(server.base_url, api_key=self.api_key)
         try:
             return await policy_store.publish(
                 InferenceClient(server.base_url, api_key=self.api_key), client, model.get_inference_name(step),
-                None, adapter, policy_store.probe_messages(state.store, step), seed=1234 + step,
-                trainer=state.trainer, tolerance=self.probe_tolerance)
+                None, adapter, messages, seed=1234 + step, trainer=state.trainer, tolerance=self.probe_tolerance,
+                record=record)
         finally:
             await client.close()
 

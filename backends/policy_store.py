@@ -122,8 +122,8 @@ def policy_shift(trainer, groups: list[TrajectoryGroup]) -> float:
 def probe_prompt_ids(groups: list[TrajectoryGroup]) -> list[int] | None:
     """The shortest prompt among the trainable turns of `groups` (ids the server rendered), or None.
 
-    Shortest, not first: the trainer's greedy continuation costs PROBE_TOKENS forwards of the prompt, and a
-    short prompt leaves room for PROBE_TOKENS more tokens in the server's context."""
+    Shortest, not first: the trainer's prefill and scoring pass cost least on it, and a short prompt leaves
+    room for PROBE_TOKENS more tokens in the server's context."""
     prompts = [turn.prompt_token_ids for group in groups for traj in group.trajectories if not traj.error
                for turn in traj.sampled_turns() if turn.trainable and turn.prompt_token_ids]
     return list(min(prompts, key=len)) if prompts else None

@@ -230,6 +230,11 @@ class TrainerConfig(BaseModel):
             raise ValueError("target_modules is an empty list; use 'all-linear' or name modules")
         return self
 
+    def enabled(self, switch: str, on_cuda: bool) -> bool:
+        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA."""
+        mode = getattr(self, switch)
+        return mode == "on" or (mode == "auto" and on_cuda)
+
     def clip_range(self) -> tuple[float, float]:
         """(epsilon, epsilon_high) with the per-loss defaults filled in."""
         low, high = DEFAULT_EPSILONS[self.loss]

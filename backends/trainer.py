@@ -37,6 +37,7 @@ from agents.trajectory import TrajectoryGroup
 
 from .advantages import kl_shaping
 from .checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
+from .logits import logits_fp32
 from .logprobs import chunked_logprobs
 from .fused_lora import patch_lora
 from .memory_efficient_ops import patch_model
@@ -142,8 +143,7 @@ class GRPOTrainer:
         self._lm.config.use_cache = False
         self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
         on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
-        fused = config.fused_lora == "on" or (config.fused_lora == "auto" and on_cuda)
-        lean = config.memory_efficient_ops == "on" or (config.memory_efficient_ops == "auto" and on_cuda)
+        fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
         self.patched_ops = patch_model(self._lm, compile=on_cuda, fuse_lora=fused) if lean and peft_path else {}
         self.fused_lora_layers = patch_lora(self.model) if fused and peft_path else 0
         if self.device.type == "cuda" and self.dtype != torch.float32:
@@ -228,11 +228,7 @@ class GRPOTrainer:
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
-                                compile=self._compile_logprobs())
-
-    def _compile_logprobs(self) -> bool:
-        mode = self.config.compile_logprobs
-        return mode == "on" or (mode == "auto" and self.device.type == "cuda")
+                                compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
 
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
         for r in rows:
@@ -348,8 +344,6 @@ class GRPOTrainer:
         if not prompt_ids or max_tokens < 1:
             raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
         from transformers import DynamicCache
-
-        from .logits import logits_fp32
 
         decoder, weight = self._lm.get_decoder(), self._lm.get_output_embeddings().weight
         cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"

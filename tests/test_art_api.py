@@ -75,6 +75,10 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
                     (TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in SCENARIOS))
                 result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
                 assert result.step == step + 1
+                # published through the trainer's probe record: all greedy tokens agree, float32 tolerance
+                assert result.metrics["publish/probe_common_prefix"] == 16.0
+                m = result.metrics
+                assert m["publish/probe_max_abs_diff"] <= m["publish/probe_tolerance"] == 0.05
             assert await model.get_step() == NUM_STEPS
             # model=model.name is the latest step; model@1 is pinned
             served = (await model.openai_client().models.list()).data
