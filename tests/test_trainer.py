@@ -256,3 +256,6 @@ def test_greedy_continuation_is_the_argmax_of_full_forwards_and_scored_like_sequ
         assert tokens == ids[len(prompt):] and len(set(tokens)) > 1, cfg
         assert logprobs == trainer.sequence_logprobs(prompt, tokens)
         assert trainer.model.training  # left as it was
+    for bad_prompt, bad_n in (([], 4), ([5, 6], 0)):
+        with pytest.raises(ValueError, match="non-empty prompt and max_tokens >= 1"):
+            trainer.greedy_continuation(bad_prompt, bad_n)
