@@ -4,11 +4,11 @@
 TrajectoryGroup, gather_trajectory_groups (and the judge: ruler_score_group).
 """
 
-from .agent import Agent, BaseAgent
-from .gather import GatherError, gather_trajectories, gather_trajectory_groups
-from .model import Model, TrainableModel, TrainConfig, TrainResult
-from .scenario import Scenario, Split
-from .trajectory import Conversation, History, RecordedException, SampledTurn, Trajectory, TrajectoryGroup
+from agents.agent import Agent, BaseAgent
+from agents.gather import GatherError, gather_trajectories, gather_trajectory_groups
+from agents.model import Model, TrainableModel, TrainConfig, TrainResult
+from agents.scenario import Scenario, Split
+from agents.trajectory import Conversation, History, RecordedException, SampledTurn, Trajectory, TrajectoryGroup
 
 __all__ = [
     "Agent",
@@ -34,7 +34,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "ruler_score_group":
-        from .judge import ruler_score_group
+        from agents.judge import ruler_score_group
 
         return ruler_score_group
     raise AttributeError(name)

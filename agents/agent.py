@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from .scenario import Scenario, Split
-from .trajectory import Trajectory
+from agents.scenario import Scenario, Split
+from agents.trajectory import Trajectory
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from .trajectory import RecordedException, Trajectory, TrajectoryGroup
+from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 
 
 class GatherError(RuntimeError):

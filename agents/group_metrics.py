@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .trajectory import TrajectoryGroup
+from agents.trajectory import TrajectoryGroup
 
 
 def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str, float]:

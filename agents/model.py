@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from .trajectory import TrajectoryGroup
+from agents.trajectory import TrajectoryGroup
 
 
 class TrainConfig(BaseModel):
@@ -71,7 +71,7 @@ class Model(BaseModel):
             raise RuntimeError(f"model {self.name!r} has no inference URL: register it with a backend first, "
                                "or set inference_base_url")
         if self._client is None:
-            from .client import policy_client
+            from agents.client import policy_client
 
             self._client = policy_client(self.inference_base_url, api_key=self.inference_api_key)
         return self._client
@@ -97,7 +97,7 @@ class TrainableModel(Model):
 
     base_model: str = Field(description="smollm2-135m, tiny-random or a local HF folder")
     trainer: dict[str, Any] = Field(default_factory=dict,
-                                    description="trainer settings (backends.train_config.TrainerConfig fields)")
+                                    description="trainer settings (backends.training.config.TrainerConfig fields)")
 
     async def get_step(self) -> int:
         """The last committed step (0 before any training)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .agent import Agent
+from agents.agent import Agent
 
 BUILTIN: dict[str, str] = {
-    "arithmetic": "agents.arithmetic:ArithmeticAgent",
-    "tictactoe": "agents.tictactoe:TicTacToeAgent",
-    "research": "agents.research:ResearchAgent",
+    "arithmetic": "agents.examples.arithmetic:ArithmeticAgent",
+    "tictactoe": "agents.examples.tictactoe:TicTacToeAgent",
+    "research": "agents.examples.research:ResearchAgent",
 }
 
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .trajectory import Trajectory, TrajectoryGroup
+from agents.trajectory import Trajectory, TrajectoryGroup
 
 CombineMode = Literal["replace", "add", "weighted"]
 

@@ -10,11 +10,11 @@ __all__ = ["LocalBackend", "RemoteBackend"]
 
 def __getattr__(name: str) -> Any:
     if name == "LocalBackend":
-        from .local_backend import LocalBackend
+        from backends.art.local_backend import LocalBackend
 
         return LocalBackend
     if name == "RemoteBackend":
-        from .remote_backend import RemoteBackend
+        from backends.art.remote_backend import RemoteBackend
 
         return RemoteBackend
     raise AttributeError(name)

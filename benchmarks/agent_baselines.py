@@ -1,6 +1,6 @@
 """Base-model baselines of the example agents: rollouts on the val split through the real inference path.
 
-Starts the embedded server (`backends.server.start_server`) on the chosen model, talks to it with the
+Starts the embedded server (`backends.serving.app.start_server`) on the chosen model, talks to it with the
 trajflow policy client (the same `openai` client the flow uses: logprobs, token ids and per-request seeds
 injected), runs each val scenario `--samples` times at the agent's temperature 1.0 and once greedy
 (temperature 0), and prints mean reward and every numeric metric. Seeds are derived from the scenario,
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--option", action="append", default=[], help="agent option key=JSON, repeatable")
     args = p.parse_args()
 
-    from backends.server import start_server
+    from backends.serving.app import start_server
 
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     sampled_agent = get_agent(args.agent, **options)

@@ -46,7 +46,7 @@ def build_random_qwen(device: str):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from backends.models import build_tiny_tokenizer
+    from backends.modeling.loading import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     cfg = Qwen2Config(**QWEN05_SHAPE, bos_token_id=None, eos_token_id=tok.eos_token_id,
@@ -209,8 +209,8 @@ def correctness_check(device: str) -> dict:
 
     import torch
 
-    from backends.engine import Engine, SamplingParams
-    from backends.models import load_model
+    from backends.inference.engine import Engine, SamplingParams
+    from backends.modeling.loading import load_model
 
     model, tok, _ = load_model("tiny-random", device=device, dtype=torch.float32)
     engine = Engine(model, tok, "tiny-random")
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from backends.engine import Engine, EngineConfig, SamplingParams
+    from backends.inference.engine import Engine, EngineConfig, SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if args.model == "qwen2.5-0.5b-random":
         model, tok, name = build_random_qwen(args.device)
     else:
-        from backends.models import load_model
+        from backends.modeling.loading import load_model
 
         model, tok, spec = load_model(args.model, device=args.device)
         name = spec.name
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
         try:
             import openai
 
-            from backends.server import start_server
+            from backends.serving.app import start_server
         except ImportError as e:
             print(f"http transport unavailable ({e}); measuring the engine in-process", file=sys.stderr)
             transport = "direct"

@@ -1,4 +1,4 @@
-"""GPU check of the lean ops (backends/memory_efficient_ops.py): error against float64, speed and stored bytes.
+"""GPU check of the lean ops (backends/training/kernels/lean_ops.py): error against float64, speed and stored bytes.
 
 At the shape of one Qwen2.5-1.5B layer and one 16k-token micro-batch (hidden 1536, MLP 8960, LoRA r16,
 bf16), for the RMSNorm and the LoRA SwiGLU MLP, compares three versions on fresh random inputs:
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.activation_memory import saved_activation_bytes  # noqa: E402
-from backends.fused_lora import LoraParts, lora_linear  # noqa: E402
-from backends.memory_efficient_ops import lora_swiglu, rms_norm  # noqa: E402
+from benchmarks.activation_memory import saved_activation_bytes  # noqa: E402
+from backends.training.kernels.fused_lora import LoraParts, lora_linear  # noqa: E402
+from backends.training.kernels.lean_ops import lora_swiglu, rms_norm  # noqa: E402
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:

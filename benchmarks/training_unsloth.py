@@ -19,7 +19,7 @@ whole process:
   activations offloaded to CPU memory).
 
 In an Unsloth process ``import unsloth`` runs before transformers/peft are imported (Unsloth's advice),
-then the trainer loads the model through ``backends.unsloth_loader``. Per variant: a throwaway trainer
+then the trainer loads the model through ``backends.training.unsloth_loader``. Per variant: a throwaway trainer
 runs ``--process-warmup-steps`` steps first (the first trainer of a process ran slower for several
 steps in ``benchmarks/results/training-h200.md``), then the measured trainer reports the logprobs of a
 fixed 2048-token row (``sequence_logprobs``, eval mode), runs ``--warmup-steps`` untimed steps (step 0
@@ -94,7 +94,7 @@ def write_model(folder: Path, smoke: bool) -> None:
     """The benchmark model (random weights, seed 0) and the tiny tokenizer, as a from_pretrained folder."""
     import torch
 
-    from backends.models import build_tiny_tokenizer
+    from backends.modeling.loading import build_tiny_tokenizer
     from benchmarks.training import build_model
 
     shape, _, _ = shape_of(smoke)
@@ -184,8 +184,8 @@ def worker(args) -> None:
             result["info"]["import_order"] = "unsloth not imported"
         import torch
 
-        from backends.train_config import TrainerConfig
-        from backends.trainer import GRPOTrainer
+        from backends.training.config import TrainerConfig
+        from backends.training.trainer import GRPOTrainer
         from benchmarks.training import _alloc_stats, _reset_peak, _sync, synthetic_groups
 
         device = "cpu" if args.smoke else "cuda"

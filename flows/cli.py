@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # module -> what it adds: storage (runs), backends (serve, backend serve), flows (train, eval)
-_COMMAND_MODULES = ("flows.commands", "backends.cli", "backends.backend_cli", "storage.cli")
+_COMMAND_MODULES = ("flows.commands", "backends.serving.cli", "backends.art.cli", "storage.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from prefect import flow
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
-from tasks.runtime import close_runtime, get_runtime
+from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
 

@@ -22,17 +22,17 @@ from typing import Any
 from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
-from backends.policy_store import TRAINING_RESULT
-from backends.train_config import TrainerConfig
+from backends.policy.store import TRAINING_RESULT
+from backends.training.config import TrainerConfig
 
-from tasks.crash_points import crash_point
+from tasks.support.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
-from tasks.reporting import format_step_line, publish_run_artifacts
-from tasks.result_storage import result_storage_for
+from tasks.support.reporting import format_step_line, publish_run_artifacts
+from tasks.support.result_storage import result_storage_for
 from tasks.rollouts import run_rollouts
 from tasks.run_config import RunConfig, load_config
-from tasks.runtime import close_runtime, get_runtime
+from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.training import initialize_policy_fn, train_policy

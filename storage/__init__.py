@@ -8,8 +8,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
-from .names import InvalidNameError, safe_relpath, validate_name
+from storage.errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
+from storage.names import InvalidNameError, safe_relpath, validate_name
 
 _LAZY = {
     "RunStore": "storage.store",

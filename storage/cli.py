@@ -68,8 +68,8 @@ def format_table(runs) -> str:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from .errors import StorageError
-    from .runs import list_runs
+    from storage.errors import StorageError
+    from storage.runs import list_runs
 
     root = args.root or os.environ.get(DEFAULT_ROOT_ENV) or "./runs"
     try:

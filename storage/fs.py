@@ -26,8 +26,8 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import AlreadyExistsError, NotFoundError, StorageError
-from .names import is_temp_name
+from storage.errors import AlreadyExistsError, NotFoundError, StorageError
+from storage.names import is_temp_name
 
 CHUNK = 4 * 2**20
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")

@@ -11,7 +11,7 @@ Step numbers have five digits (00000-99999).
 
 from __future__ import annotations
 
-from .names import InvalidNameError, safe_relpath
+from storage.names import InvalidNameError, safe_relpath
 
 RUN_CONFIG = "run.json"
 STEPS_DIR = "steps"

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import CorruptManifestError
-from .names import InvalidNameError, safe_relpath
+from storage.errors import CorruptManifestError
+from storage.names import InvalidNameError, safe_relpath
 
 
 class FileEntry(BaseModel):

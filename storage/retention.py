@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .manifest import StepManifest
+from storage.manifest import StepManifest
 
 
 def steps_to_keep(

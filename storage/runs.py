@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from .errors import StorageError
-from .fs import Location
-from .names import InvalidNameError, validate_name
-from .store import RunStore
+from storage.errors import StorageError
+from storage.fs import Location
+from storage.names import InvalidNameError, validate_name
+from storage.store import RunStore
 
 
 class RunInfo(BaseModel):

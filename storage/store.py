@@ -20,12 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
-from .fs import Location, normalize_root, sha256_bytes, sha256_local
-from .layout import MANIFEST, RUN_CONFIG, STEPS_DIR, check_step, file_rel, manifest_rel, parse_step_dir, step_dir
-from .manifest import FileEntry, StepManifest, check_extra, check_metrics, now_iso, parse_manifest, trajflow_version
-from .names import InvalidNameError, safe_prefix, safe_relpath, validate_name
-from .retention import steps_to_keep
+from storage.errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
+from storage.fs import Location, normalize_root, sha256_bytes, sha256_local
+from storage.layout import MANIFEST, RUN_CONFIG, STEPS_DIR, check_step, file_rel, manifest_rel, parse_step_dir, step_dir
+from storage.manifest import FileEntry, StepManifest, check_extra, check_metrics, now_iso, parse_manifest, trajflow_version
+from storage.names import InvalidNameError, safe_prefix, safe_relpath, validate_name
+from storage.retention import steps_to_keep
 
 if TYPE_CHECKING:
     from agents.trajectory import TrajectoryGroup
@@ -224,12 +224,12 @@ class RunStore:
     # ---- trajectories --------------------------------------------------------------------------
     def write_groups(self, step: int | None, relpath: str, groups: list[TrajectoryGroup]) -> str:
         """Store trajectory groups as Parquet (layout: :mod:`storage.trajectories`); return the sha256."""
-        from .trajectories import groups_to_parquet
+        from storage.trajectories import groups_to_parquet
 
         return self.put_bytes(step, relpath, groups_to_parquet(list(groups)))
 
     def read_groups(self, step: int | None, relpath: str, verify: bool = False) -> list[TrajectoryGroup]:
-        from .trajectories import groups_from_parquet
+        from storage.trajectories import groups_from_parquet
 
         data = self.get_bytes(step, relpath, verify=verify)
         try:

@@ -13,12 +13,12 @@ from typing import Any
 
 from prefect import task
 
-from .cache_keys import cache_key_fn
-from .retry_policy import retry_condition
-from .rollouts import run_groups
-from .run_config import RunConfig
-from .scenarios import val_scenarios
-from .scoring import score_groups_fn
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.retry_policy import retry_condition
+from tasks.rollouts import run_groups
+from tasks.run_config import RunConfig
+from tasks.scenarios import val_scenarios
+from tasks.scoring import score_groups_fn
 
 EVAL_SCORED = "eval.parquet"
 

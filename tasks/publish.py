@@ -1,6 +1,6 @@
 """Publishing: hot-load the adapter of a step into the inference server and prove it is served.
 
-The mechanics (download with hash check, load, probe) are ``backends.policy_store.publish``. The probe
+The mechanics (download with hash check, load, probe) are ``backends.policy.store.publish``. The probe
 compares the server's greedy continuation with the probe record the trainer wrote into ``training.json``,
 wherever it ran (in this process or on a GPU worker). A step written before records existed is checked
 with the trainer in this process (``training.mode=local``) or, with training on a remote worker, only by
@@ -16,11 +16,11 @@ from typing import Any
 
 from prefect import task
 
-from backends import policy_store
+from backends.policy import store as policy_store
 
-from .retry_policy import TransientError, retry_condition
-from .run_config import RunConfig
-from .runtime import Runtime, get_runtime
+from tasks.support.retry_policy import TransientError, retry_condition
+from tasks.run_config import RunConfig
+from tasks.support.runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
 

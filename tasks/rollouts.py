@@ -24,13 +24,13 @@ from agents.client import rollout_context, rollout_seed_material
 from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 
-from .cache_keys import cache_key_fn
-from .crash_points import crash_point
-from .progress import Progress
-from .retry_policy import TransientError, retry_condition
-from .run_config import RunConfig
-from .tracing import get_tracer
-from .runtime import Runtime, get_runtime
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.crash_points import crash_point
+from tasks.support.progress import Progress
+from tasks.support.retry_policy import TransientError, retry_condition
+from tasks.run_config import RunConfig
+from tasks.support.tracing import get_tracer
+from tasks.support.runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.judge import JudgeConfig
 from agents.rewards import RewardConfig
-from backends.train_config import TrainerConfig
+from backends.training.config import TrainerConfig
 from storage.names import validate_name
 
 

@@ -14,10 +14,10 @@ from prefect import task
 
 from agents.scenario import Scenario
 
-from .cache_keys import cache_key_fn
-from .retry_policy import retry_condition
-from .run_config import RunConfig
-from .runtime import get_runtime
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.retry_policy import retry_condition
+from tasks.run_config import RunConfig
+from tasks.support.runtime import get_runtime
 
 
 def pick_train_scenarios(pool: list[Scenario], seed: int, step: int, count: int) -> list[Scenario]:

@@ -20,14 +20,14 @@ from agents.group_metrics import summarize
 from agents.rewards import set_reward
 from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
-from backends import policy_store
+from backends.policy import store as policy_store
 
-from .cache_keys import cache_key_fn
-from .retry_policy import retry_condition
-from .rollouts import read_groups
-from .run_config import RunConfig
-from .tracing import get_tracer, rollout_trace_id
-from .runtime import Runtime, get_runtime
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.retry_policy import retry_condition
+from tasks.rollouts import read_groups
+from tasks.run_config import RunConfig
+from tasks.support.tracing import get_tracer, rollout_trace_id
+from tasks.support.runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
 

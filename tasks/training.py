@@ -4,7 +4,7 @@ The update reads the scored groups from storage, so it can run here (``training.
 default: in the flow's process on its device) or on a GPU worker (``training.mode=deployment``: the
 ``train-step/gpu`` deployment of ``flows/train_step.py`` runs the same function and writes the same
 files). The storage side (checkpoint upload, ``training.json`` written last) is
-``backends.policy_store``.
+``backends.policy.store``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 
 from prefect import task
 
-from backends import policy_store
+from backends.policy import store as policy_store
 
-from .cache_keys import cache_key_fn
-from .crash_points import crash_point
-from .retry_policy import retry_condition
-from .run_config import RunConfig
-from .runtime import get_runtime
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.crash_points import crash_point
+from tasks.support.retry_policy import retry_condition
+from tasks.run_config import RunConfig
+from tasks.support.runtime import get_runtime
 
 
 def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:

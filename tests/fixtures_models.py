@@ -8,6 +8,6 @@ def tiny_model_path(tmp_path_factory):
     import os
 
     os.environ.setdefault("TRAJFLOW_CACHE", str(tmp_path_factory.mktemp("trajflow-cache")))
-    from backends.models import ensure_tiny_random
+    from backends.modeling.loading import ensure_tiny_random
 
     return ensure_tiny_random()

@@ -12,7 +12,7 @@ import pytest
 
 def _is_rollout(body: dict, model: str) -> bool:
     """A chat request for `model` that is a rollout (not a publish probe)."""
-    from backends.policy_store import PROBE_USER
+    from backends.policy.store import PROBE_USER
 
     return body.get("model") == model and body.get("user") != PROBE_USER
 
@@ -111,7 +111,7 @@ class CountingProxy:
 
 @pytest.fixture(scope="session")
 def counting_server(tiny_model_path):
-    from backends.server import start_server
+    from backends.serving.app import start_server
 
     handle = start_server(model="tiny-random", port=0)
     proxy = CountingProxy(handle.url)

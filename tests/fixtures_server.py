@@ -54,7 +54,7 @@ def tool_model_path(tiny_hf, tmp_path_factory):
 
     import torch
 
-    from backends.models import TOOL_CHAT_TEMPLATE
+    from backends.modeling.loading import TOOL_CHAT_TEMPLATE
 
     base, tok = tiny_hf
     prompt = tok.apply_chat_template(TOOL_QUESTION, tools=TOOLS, chat_template=TOOL_CHAT_TEMPLATE,
@@ -81,7 +81,7 @@ def tool_model_path(tiny_hf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tool_server(tool_model_path):
-    from backends.server import start_server
+    from backends.serving.app import start_server
 
     handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY)
     yield handle
@@ -91,7 +91,7 @@ def tool_server(tool_model_path):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_path):
     """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY."""
-    from backends.server import start_server
+    from backends.serving.app import start_server
 
     handle = start_server("tiny-random", api_key=API_KEY)
     yield handle

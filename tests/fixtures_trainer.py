@@ -76,7 +76,7 @@ def synthetic_group(rewards, prompt=(5, 6, 7), completion_len: int = 3, scenario
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path):
     """(model, tokenizer) of the tiny random model, fp32 CPU, for sampling conversations."""
-    from backends.models import load_model
+    from backends.modeling.loading import load_model
 
     model, tok, _ = load_model(str(tiny_model_path))
     return model, tok

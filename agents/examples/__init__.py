@@ -1,0 +1,1 @@
+"""The example agents: arithmetic, tic-tac-toe, research (one module each)."""

@@ -1,0 +1,1 @@
+"""ART's script API on this machine: LocalBackend, RemoteBackend, `trajflow backend serve`."""

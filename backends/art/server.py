@@ -1,0 +1,98 @@
+"""`trajflow backend serve`: a LocalBackend behind HTTP, so scripts on a laptop train on a GPU box.
+
+Training requests arrive as JSON (models, trajectory groups with their token ids and logprobs);
+inference goes straight to the backend's embedded server in the dialect (its URL is returned by
+``register``). Every request must carry ``Authorization: Bearer <key>`` when a key is set.
+Binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from agents.model import TrainableModel, TrainConfig
+from agents.trajectory import TrajectoryGroup
+
+from backends.art.local_backend import LocalBackend
+
+
+class ModelRef(BaseModel):
+    project: str = Field(description="project of the run")
+    name: str = Field(description="model (run) name")
+
+
+class TrainRequest(ModelRef):
+    groups: list[dict[str, Any]] = Field(description="trajectory groups as JSON (TrajectoryGroup.to_json_dict)")
+    config: TrainConfig = Field(default_factory=TrainConfig, description="per-step training options")
+
+
+class LogRequest(ModelRef):
+    groups: list[dict[str, Any]] = Field(description="trajectory groups as JSON")
+    split: str = Field(default="val", description="metric prefix, e.g. val")
+
+
+class RetentionRequest(ModelRef):
+    best_checkpoint_metric: str = Field(default="val/reward", description="metric whose best step is kept")
+
+
+def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="trajflow backend")
+    models: dict[str, TrainableModel] = {}
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong API key")
+
+    def model_of(ref: ModelRef) -> TrainableModel:
+        model = models.get(f"{ref.project}/{ref.name}")
+        if model is None:
+            raise HTTPException(status_code=404, detail=f"model {ref.project}/{ref.name} is not registered; "
+                                                         f"registered: {sorted(models)}")
+        return model
+
+    def groups_of(raw: list[dict[str, Any]]) -> list[TrajectoryGroup]:
+        try:
+            return [TrajectoryGroup.model_validate(g) for g in raw]
+        except ValueError as exc:
+            raise HTTPException(status_code=422, detail=f"invalid trajectory group: {exc}") from exc
+
+    @app.exception_handler(ValueError)
+    async def value_error(_request: Request, exc: ValueError):
+        return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/backend/register", dependencies=[Depends(check_key)])
+    async def register(model: TrainableModel) -> dict[str, Any]:
+        await backend.register(model)
+        models[f"{model.project}/{model.name}"] = model
+        return {"inference_base_url": model.inference_base_url, "step": await backend.get_step(model)}
+
+    @app.post("/backend/step", dependencies=[Depends(check_key)])
+    async def step(ref: ModelRef) -> dict[str, int]:
+        return {"step": await backend.get_step(model_of(ref))}
+
+    @app.post("/backend/train", dependencies=[Depends(check_key)])
+    async def train(req: TrainRequest) -> dict[str, Any]:
+        result = await backend.train(model_of(req), groups_of(req.groups), req.config)
+        return result.model_dump()
+
+    @app.post("/backend/log", dependencies=[Depends(check_key)])
+    async def log(req: LogRequest) -> dict[str, float]:
+        return await backend.log(model_of(req), groups_of(req.groups), req.split)
+
+    @app.post("/backend/delete_checkpoints", dependencies=[Depends(check_key)])
+    async def delete_checkpoints(req: RetentionRequest) -> dict[str, list[int]]:
+        return {"pruned": await backend.delete_checkpoints(model_of(req), req.best_checkpoint_metric)}
+
+    return app

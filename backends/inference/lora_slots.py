@@ -1,0 +1,157 @@
+"""Device-resident LoRA adapters, several per batch, each row of a batch using its own (or none).
+
+For a projection group (``qkv``, ``o``, ``gate_up``, ``down``; a group is the projections that read the same input)
+with ``M`` members, the adapters in slots ``0..S-1`` are stacked into two matrices, columns ordered
+(slot, member, rank), ranks zero-padded to a common ``R``:
+
+    A_g: [in, S*M*R]            B_g: [S*M*R, out_1 + … + out_M]   (scale = lora_alpha / r folded into B_g)
+    delta(x) = ((x @ A_g) * mask) @ B_g,   mask[row, col] = 1 if col belongs to the slot of row's adapter
+
+so a mixed batch costs two small matmuls per group and no gathers, and the shapes stay static (CUDA-graph
+friendly). A row with no adapter has an all-zero mask. Eagerly (CPU) only the columns of slots up to the highest
+slot in use are touched. ``R`` starts at the first adapter's rank rounded up to a power of two and grows (the
+stacks are reallocated, and ``generation`` changes so captured graphs are dropped) when a larger one arrives.
+
+Slots: ``max_loras`` of them; an adapter is placed in a slot when a request for it is admitted, stays there while
+requests use it, and the least recently used unused slot is reused when another adapter needs room (vLLM's
+``--max-loras`` meaning: how many adapters one batch can mix). A request whose adapter finds no free slot waits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from backends.inference.adapters import HostAdapter
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoraSlots:
+    """`num_slots` adapters on `device`, for a model of `num_layers` layers with `layout` (module -> (in, out))."""
+
+    def __init__(self, layout: dict[str, tuple[int, int]], num_layers: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.layout, self.num_layers, self.num_slots = layout, num_layers, num_slots
+        self.dtype, self.device = dtype, device
+        self.rank = 0
+        self.generation = 0
+        self.A: list[dict[str, torch.Tensor]] = []
+        self.B: list[dict[str, torch.Tensor]] = []
+        self._col_slot: dict[int, torch.Tensor] = {}
+        self._uid: list[int | None] = [None] * num_slots
+        self._host: list[HostAdapter | None] = [None] * num_slots
+        self._refs = [0] * num_slots
+        self._used = [0] * num_slots
+        self._tick = 0
+        self._dead: set[int] = set()
+
+    # -- slot bookkeeping (engine thread only) -------------------------------------------------------------------
+    def acquire(self, uid: int, load: Callable[[], HostAdapter]) -> int | None:
+        """Slot holding adapter `uid` (placed now if needed), with a reference taken; None if every slot is busy."""
+        self._tick += 1
+        if uid in self._uid:
+            slot = self._uid.index(uid)
+        else:
+            free = [s for s in range(self.num_slots) if self._refs[s] == 0]
+            if not free:
+                return None
+            slot = min(free, key=lambda s: (self._uid[s] is not None, self._used[s], s))
+            self._write(slot, uid, load())
+        self._refs[slot] += 1
+        self._used[slot] = self._tick
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Drop one reference to `slot`; an unloaded adapter leaves the slot when its last user finishes."""
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0 and self._uid[slot] in self._dead:
+            self._dead.discard(self._uid[slot])
+            self._uid[slot] = self._host[slot] = None
+
+    def forget(self, uid: int) -> None:
+        """Adapter `uid` was unloaded: free its slot now, or once the requests using it finish."""
+        if uid in self._uid:
+            slot = self._uid.index(uid)
+            if self._refs[slot] == 0:
+                self._uid[slot] = self._host[slot] = None
+            else:
+                self._dead.add(uid)
+
+    def resident(self) -> list[int]:
+        return [u for u in self._uid if u is not None]
+
+    # -- device stacks --------------------------------------------------------------------------------------------
+    def _allocate(self, rank: int) -> None:
+        self.rank = rank
+        self.A, self.B = [], []
+        for _ in range(self.num_layers):
+            a_layer, b_layer = {}, {}
+            for group, members in GROUPS.items():
+                fan_in = self.layout[members[0]][0]
+                fan_out = sum(self.layout[m][1] for m in members)
+                cols = self.num_slots * len(members) * rank
+                a_layer[group] = torch.zeros(fan_in, cols, dtype=self.dtype, device=self.device)
+                b_layer[group] = torch.zeros(cols, fan_out, dtype=self.dtype, device=self.device)
+            self.A.append(a_layer)
+            self.B.append(b_layer)
+        self._col_slot = {
+            m: torch.arange(self.num_slots * m * rank, device=self.device) // (m * rank)
+            for m in {len(v) for v in GROUPS.values()}
+        }
+        self.generation += 1
+        for slot, host in enumerate(self._host):
+            if host is not None:
+                self._fill(slot, host)
+
+    def _write(self, slot: int, uid: int, host: HostAdapter) -> None:
+        need = 1 << max(0, (host.rank - 1).bit_length())
+        self._uid[slot], self._host[slot] = uid, host
+        if need > self.rank:
+            self._allocate(need)  # refills every resident slot, this one included
+        else:
+            self._fill(slot, host)
+
+    @torch.no_grad()
+    def _fill(self, slot: int, host: HostAdapter) -> None:
+        R = self.rank
+        for layer in range(self.num_layers):
+            for group, members in GROUPS.items():
+                M = len(members)
+                a, b = self.A[layer][group], self.B[layer][group]
+                base = slot * M * R
+                a[:, base : base + M * R] = 0
+                b[base : base + M * R] = 0
+                offset = 0
+                for m, module in enumerate(members):
+                    fan_out = self.layout[module][1]
+                    ab = host.weights.get((layer, module))
+                    if ab is not None:
+                        r = ab[0].shape[0]
+                        start = base + m * R
+                        a[:, start : start + r] = ab[0].t().to(self.device, self.dtype)
+                        b[start : start + r, offset : offset + fan_out] = (ab[1] * host.scale).t().to(
+                            self.device, self.dtype)
+                    offset += fan_out
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def row_masks(self, row_slot: torch.Tensor, num_slots: int | None = None) -> dict[int, torch.Tensor]:
+        """Per member count M, the [rows, num_slots*M*R] 0/1 mask selecting each row's slot (-1: none)."""
+        n = self.num_slots if num_slots is None else num_slots
+        return {m: (cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1)).to(self.dtype)
+                for m, cs in self._col_slot.items()}
+
+    def factors(self, layer: int, group: str, x: torch.Tensor,
+                masks: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, B) with h = (x @ A_g) * mask, so that the LoRA contribution of `group` at `layer` for rows `x`
+        [N, in] is ``h @ B`` [N, out_total] (added by the caller, with addmm where it can)."""
+        M = len(GROUPS[group])
+        mask = masks[M]
+        cols = mask.shape[1]
+        return (x @ self.A[layer][group][:, :cols]) * mask, self.B[layer][group][:cols]

@@ -1,0 +1,1 @@
+"""What the engine and the trainer share: loading a base model, float32 logits."""

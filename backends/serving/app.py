@@ -1,0 +1,240 @@
+"""The embedded OpenAI-compatible HTTP server (FastAPI) over an `Engine`, in vLLM's dialect.
+
+Routes: ``POST /v1/chat/completions`` (`engine_chat` has the request/response rules), ``POST /v1/completions``
+(text or token-id prompts, `completions` has the rules), ``GET /v1/models``,
+``GET /health``, ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}``,
+``POST /v1/unload_lora_adapter {"lora_name"}``. Errors are OpenAI-shaped, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad input (malformed messages, prompt longer than the context, unsupported parameters), 401
+without the API key, 404 for an unknown model (the message lists the names that exist), 500 for engine failures.
+
+With ``api_key`` set, every route (``/health`` included) needs ``Authorization: Bearer <key>``. `start_server` runs
+uvicorn in a background thread bound to 127.0.0.1 by default; port 0 picks a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import fastapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backends.serving import completions as text_completions
+from backends.inference.adapters import AdapterError, UnknownModel
+from backends.inference.engine import Engine, EngineConfig, EngineStopped, RequestError
+from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, \
+    stream_chunks
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": None,
+                                   "code": status}}, status_code=status)
+
+
+def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
+    """The FastAPI app serving `engine`; with `api_key`, requests need `Authorization: Bearer <api_key>`."""
+    app = fastapi.FastAPI(title="trajflow embedded inference", docs_url=None, redoc_url=None, openapi_url=None)
+    names = TokenText(engine.tokenizer)
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.middleware("http")
+    async def _auth(request: fastapi.Request, call_next):
+        if expected is not None:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')")
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"{type(exc).__name__}: {exc}")
+
+    async def _json(request: fastapi.Request):
+        try:
+            return await request.json()
+        except ValueError:
+            raise RequestError("the request body is not valid JSON") from None
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error_response(503, "the engine is not running")
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        data = [{"id": engine.name, "object": "model", "created": created, "owned_by": "trajflow",
+                 "root": engine.name, "parent": None, "max_model_len": engine.max_seq_len}]
+        for entry in engine.adapters.entries():
+            data.append({"id": entry.name, "object": "model", "created": created, "owned_by": "trajflow",
+                         "root": entry.source, "parent": engine.name, "max_model_len": engine.max_seq_len})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: fastapi.Request):
+        try:
+            body = await _json(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str):
+                return error_response(400, "lora_name and lora_path (strings) are required")
+            await asyncio.to_thread(engine.load_adapter, name, path, bool(body.get("load_inplace", False)))
+        except (AdapterError, RequestError) as e:
+            return error_response(400, str(e))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: fastapi.Request):
+        try:
+            body = await _json(request)
+            name = body.get("lora_name")
+            if not isinstance(name, str):
+                return error_response(400, "lora_name (a string) is required")
+            engine.unload_adapter(name)
+        except RequestError as e:
+            return error_response(400, str(e))
+        except UnknownModel as e:
+            return error_response(404, f"The lora adapter '{name}' cannot be found. Loaded: "
+                                       f"{', '.join(e.available)}")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _streamed(chunks: list[dict]) -> StreamingResponse:
+        def events():
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _answer(request: fastapi.Request, work, chunker):
+        """Run `work(body)` -> (request, response JSON) with the dialect's error mapping; stream if asked."""
+        try:
+            req, response = await work(await _json(request))
+        except RequestError as e:
+            return error_response(400, str(e))
+        except UnknownModel as e:
+            return error_response(404, str(e))
+        except EngineStopped as e:
+            return error_response(503, str(e))
+        if not req.stream:
+            return JSONResponse(response)
+        return _streamed(chunker(response, bool((req.stream_options or {}).get("include_usage"))))
+
+    async def _chat(body):
+        req = parse_request(body)
+        engine.adapters.resolve(req.model)  # 404 before the template work
+        prompt = render_prompt(engine.tokenizer, req)
+        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
+        return req, response_json(req, prompt, completions, names)
+
+    async def _complete(body):
+        req = text_completions.parse_completion_request(body)
+        engine.adapters.resolve(req.model)
+        prompts = text_completions.completion_prompts(engine.tokenizer, req, engine.vocab)
+        params = req.sampling_params()
+        jobs = [asyncio.ensure_future(engine.generate(p, params, req.model, req.n)) for p in prompts]
+        try:
+            results = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:  # one prompt failed: abort the others rather than compute unused answers
+                job.cancel()
+            raise
+        return req, text_completions.response_json(req, prompts, results, names)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await _answer(request, _chat, stream_chunks)
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await _answer(request, _complete, text_completions.stream_chunks)
+
+    return app
+
+
+@dataclass
+class ServerHandle:
+    """A running in-process server. `stop()` shuts uvicorn down (and the engine, if the server created it)."""
+
+    url: str
+    api_key: str | None
+    engine: Engine
+    _server: object
+    _thread: threading.Thread
+    _owns_engine: bool
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self, timeout: float = 30) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._owns_engine:
+            self.engine.shutdown()
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_server(model: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 device: str = "cpu", max_loras: int = 4, served_name: str | None = None,
+                 engine: Engine | None = None, config: EngineConfig | None = None,
+                 startup_timeout: float = 60) -> ServerHandle:
+    """Serve `model` (or the given `engine`) from a background thread; returns once /health answers."""
+    import httpx
+    import uvicorn
+
+    owns = engine is None
+    if engine is None:
+        cfg = (config or EngineConfig()).model_copy(update={"max_loras": max_loras})
+        engine = Engine.from_pretrained(model, device=device, served_name=served_name, config=cfg)
+    app = create_app(engine, api_key)
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound_port}"
+    handle = ServerHandle(url, api_key, engine, server, thread, owns)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", headers=headers, timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        if not thread.is_alive() or time.monotonic() > deadline:
+            handle.stop(5)
+            raise RuntimeError(f"the embedded server at {url} did not become healthy within {startup_timeout} s")
+        time.sleep(0.05)

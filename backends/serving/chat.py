@@ -1,0 +1,308 @@
+"""OpenAI chat completions <-> engine requests: validation, chat-template rendering, and the response JSON.
+
+Dialect (what vLLM's OpenAI server does, so callers cannot tell the two apart):
+
+- Accepted: ``model, messages, tools, tool_choice, n, temperature, top_p, max_tokens | max_completion_tokens,
+  seed, stop, logprobs, top_logprobs, stream, stream_options`` and vLLM's extras ``stop_token_ids, ignore_eos,
+  return_token_ids, return_tokens_as_token_ids, logprobs_mode``. Unknown extra keys are ignored; features we do not
+  implement but whose values would change the answer (penalties, logit_bias, top_k, min_p, json response formats,
+  ``logprobs_mode`` other than raw) are refused with a 400 rather than silently dropped.
+- The response carries ``prompt_token_ids`` at the top level (vLLM) and per choice, and per choice ``token_ids``
+  (every sampled id, EOS included) and ``stop_reason``. ``logprobs.content[j]`` exists for every sampled token when
+  ``logprobs`` is true; its logprob is the raw one (`engine_sampling`).
+- Tools are given to the chat template. If the model's template ignores tools but is ChatML, our
+  ``TOOL_CHAT_TEMPLATE`` renders them instead. With tools and ``tool_choice`` other than ``"none"``, the output is
+  parsed by `toolcalls`; ``"required"`` and a named tool are *not* enforced by constrained decoding (the model is
+  only prompted), a documented difference from vLLM's guided decoding.
+- Assistant ``tool_calls`` arguments go to the template as the JSON strings the model wrote when the template
+  prints strings verbatim (ours does), so the re-rendered prompt extends the earlier turn token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError, SamplingParams
+from backends.serving.tool_calls import parse_tool_calls
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class SamplingFields(BaseModel):
+    """Request fields chat and text completions share (extra keys are kept and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool | None = False
+    logprobs_mode: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        """Fields set to a value the embedded engine would have to ignore (subclasses add theirs)."""
+        return [
+            name for name, ok in (
+                ("frequency_penalty", not self.frequency_penalty), ("presence_penalty", not self.presence_penalty),
+                ("repetition_penalty", self.repetition_penalty in (None, 1.0)), ("logit_bias", not self.logit_bias),
+                ("top_k", self.top_k in (None, 0, -1)), ("min_p", not self.min_p),
+                ("response_format", (self.response_format or {}).get("type", "text") == "text"),
+                ("logprobs_mode", self.logprobs_mode in (None, "raw_logprobs")),
+            ) if not ok
+        ]
+
+    def sampling(self, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            top_logprobs=top_logprobs,
+        )
+
+
+class ChatRequest(SamplingFields):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("auto", "none", "required"):
+            raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}")
+        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+            raise ValueError("a named tool_choice needs {'type': 'function', 'function': {'name': ...}}")
+        return v
+
+
+def validate_body(model: type[SamplingFields], body: Any) -> SamplingFields:
+    """Validate a JSON body as `model`; raises RequestError naming every problem, or every unsupported feature."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        raise RequestError(problems) from None
+    unsupported = req.unsupported()
+    if unsupported:
+        raise RequestError(f"not supported by the embedded engine: {', '.join(unsupported)} (remove them, or use "
+                           "their neutral values)")
+    return req
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Validate a chat completions body; raises RequestError with every problem named."""
+    return validate_body(ChatRequest, body)
+
+
+def sampling_params(req: ChatRequest) -> SamplingParams:
+    return req.sampling(req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
+
+
+def _text_of(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise RequestError(f"{where}.content must be a string, a list of text parts, or null")
+
+
+def normalise_messages(messages: list[dict], args_as_strings: bool) -> list[dict]:
+    """Check roles/contents and produce the plain dicts chat templates expect."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = _text_of(m.get("content"), where)
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list):
+                raise RequestError(f"{where}.tool_calls must be a list")
+            msg["tool_calls"] = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(f"{where}.tool_calls[{j}] needs function.name")
+                args = fn.get("arguments", "{}")
+                if not args_as_strings and isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
+                msg["tool_calls"].append({"id": call.get("id"), "type": "function",
+                                          "function": {"name": fn["name"], "arguments": args}})
+        elif content is None and role != "assistant":
+            raise RequestError(f"{where}.content is required for role {role!r}")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _check_tools(req: ChatRequest) -> list[dict] | None:
+    if not req.tools:
+        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
+            raise RequestError("tool_choice requires tools")
+        return None
+    names = []
+    for i, tool in enumerate(req.tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(
+                fn.get("name"), str):
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        names.append(fn["name"])
+    if isinstance(req.tool_choice, dict) and req.tool_choice["function"]["name"] not in names:
+        raise RequestError(f"tool_choice names {req.tool_choice['function']['name']!r}, not among the tools "
+                           f"({', '.join(names)})")
+    return req.tools
+
+
+def render_prompt(tokenizer, req: ChatRequest) -> list[int]:
+    """Prompt token ids: the chat template over the messages (and tools), with the generation prompt."""
+    from jinja2 import TemplateError
+
+    from backends.modeling.loading import TOOL_CHAT_TEMPLATE
+
+    tools = _check_tools(req)
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+    if not template:
+        raise RequestError("this model has no chat template")
+    if tools and "tools" not in template:
+        if "<|im_start|>" not in template:
+            raise RequestError("this model's chat template does not render tools")
+        template = TOOL_CHAT_TEMPLATE
+    messages = normalise_messages(req.messages, args_as_strings="is string" in template)
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                            add_generation_prompt=True, tokenize=True, return_dict=True)
+    except TemplateError as e:
+        raise RequestError(f"the chat template rejected the messages: {e}") from None
+    ids = ids["input_ids"]
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+class TokenText:
+    """Token id -> its text (and bytes), memoised; `as_ids` gives vLLM's "token_id:<id>" form."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._memo: dict[int, str] = {}
+
+    def __call__(self, token: int, as_ids: bool = False) -> dict:
+        if as_ids:
+            text = f"token_id:{token}"
+        else:
+            text = self._memo.get(token)
+            if text is None:
+                text = self._memo[token] = self.tokenizer.decode([token])
+        return {"token": text, "bytes": list(text.encode("utf-8"))}
+
+
+def _logprobs_json(c: Completion, names: TokenText, as_ids: bool) -> dict:
+    content = []
+    for j, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        tops = []
+        if c.top_logprobs is not None:
+            tops = [{**names(t, as_ids), "logprob": v} for t, v in c.top_logprobs[j]]
+        content.append({**names(tok, as_ids), "logprob": lp, "top_logprobs": tops})
+    return {"content": content}
+
+
+def choice_json(index: int, c: Completion, req: ChatRequest, prompt: list[int], names: TokenText) -> dict:
+    """One `choices[i]` of the response."""
+    content, calls = c.text, []
+    if req.tools and req.tool_choice != "none":
+        content, calls = parse_tool_calls(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": _logprobs_json(c, names, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
+        "finish_reason": "tool_calls" if calls else c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "token_ids": c.token_ids,
+        "prompt_token_ids": prompt,
+    }
+
+
+def response_json(req: ChatRequest, prompt: list[int], completions: list[Completion], names: TokenText) -> dict:
+    """The chat.completion object."""
+    generated = sum(len(c.token_ids) for c in completions)
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [choice_json(i, c, req, prompt, names) for i, c in enumerate(completions)],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
+                  "total_tokens": len(prompt) + generated},
+        "prompt_token_ids": prompt,
+    }
+
+
+def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
+    """The response as chat.completion.chunk objects (sent once the completion is done, not token by token)."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    chunks = []
+    for ch in response["choices"]:
+        msg = ch["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
+        if msg["tool_calls"]:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]
+        first = {**base, "choices": [{"index": ch["index"], "delta": delta, "logprobs": ch["logprobs"],
+                                      "finish_reason": None, "token_ids": ch["token_ids"]}]}
+        if ch["index"] == 0:
+            first["prompt_token_ids"] = response["prompt_token_ids"]
+        chunks.append(first)
+        chunks.append({**base, "choices": [{"index": ch["index"], "delta": {}, "logprobs": None,
+                                            "finish_reason": ch["finish_reason"],
+                                            "stop_reason": ch["stop_reason"]}]})
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": response["usage"]})
+    return chunks

@@ -1,0 +1,89 @@
+"""`trajflow serve`: the embedded inference server in the foreground (SIGTERM / Ctrl-C shut it down cleanly).
+
+Importing this module is light (argparse only); torch and transformers load inside the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    """Add the `serve` subcommand to `subparsers` (from `ArgumentParser.add_subparsers()`)."""
+    p = subparsers.add_parser("serve", help="serve a model (and LoRA adapters) over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL with the embedded transformers engine in vLLM's dialect.")
+    p.add_argument("--model", required=True, help="'smollm2-135m', 'tiny-random', or a local HF model folder")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $TRAJFLOW_API_KEY, else no key)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once (default 4)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="sequences decoded together (default 64)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion in tokens")
+    p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
+    p.set_defaults(func=serve)
+
+
+def _server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, but SIGTERM/SIGINT end `run` normally: uvicorn re-raises the signal after its graceful
+        shutdown, which would kill the process before the engine is stopped."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, then stop the engine. Returns the exit code."""
+    import logging
+    import os
+    import sys
+
+    import uvicorn
+
+    from backends.inference.engine import Engine, EngineConfig
+    from backends.serving.app import bind_socket, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
+    updates = {"max_loras": args.max_loras}
+    if args.max_batch_size:
+        updates["max_batch_size"] = args.max_batch_size
+    if args.max_seq_len:
+        updates["max_seq_len"] = args.max_seq_len
+    try:
+        config = EngineConfig(**updates)
+        engine = Engine.from_pretrained(args.model, device=args.device, served_name=args.served_name, config=config)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"trajflow serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"trajflow serve: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        engine.shutdown()
+        return 2
+    host, port = sock.getsockname()[:2]
+    print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
+          f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    server = _server_class()(uvicorn.Config(create_app(engine, api_key), log_level="info", lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        print("trajflow serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""The GRPO update: GRPOTrainer, TrainerConfig, rows, advantages, losses, packing, logprobs, checkpoints, Unsloth. Never imports inference."""

@@ -1,0 +1,390 @@
+"""GRPOTrainer: scored trajectory groups in, one LoRA optimizer step out.
+
+One ``train_step(groups)`` call is exactly one optimizer step:
+
+1. rows from the exact sampled tokens (``rows.build_rows``), group advantages, counts of what was
+   left out; no trainable row at all -> metrics with ``no_trainable_rows=1`` and NO step;
+2. aggregation weights fixed for the whole step (``losses.assign_aggregation_weights``), so the
+   micro-batch gradients add up to the full-batch gradient;
+3. rows packed without padding into micro-batches of ``micro_batch_tokens`` (``packing``);
+4. optional KL shaping: a no-grad pass with the adapter on and one with it off (peft's
+   ``disable_adapter()``: the base model is the reference, no second copy in memory);
+5. per micro-batch: decoder hidden states, chunked logprobs of the trained tokens only, the loss,
+   backward (gradients accumulate);
+6. gradient norm (clipped), AdamW step, LR schedule step.
+
+The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
+the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
+On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
+ops with compiled elementwise kernels, and the logprob chunk math is compiled
+(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import random
+import resource
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from agents.trajectory import TrajectoryGroup
+
+from backends.training.advantages import kl_shaping
+from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
+from backends.modeling.logits import logits_fp32
+from backends.training.logprobs import chunked_logprobs
+from backends.training.kernels.fused_lora import patch_lora
+from backends.training.kernels.lean_ops import patch_model
+from backends.training.losses import assign_aggregation_weights, policy_loss
+from backends.training.packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
+from backends.training.token_rows import TrainingRow, build_rows
+from backends.training.config import TrainerConfig
+from backends.training.unsloth_loader import choose_backend, load_with_unsloth
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def lr_factor(config: TrainerConfig, taken: int) -> float:
+    """Multiplier of learning_rate for the optimizer step after ``taken`` steps: linear warmup, then the schedule."""
+    if config.warmup_steps and taken < config.warmup_steps:
+        return (taken + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return 1.0
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, max(0.0, (taken - config.warmup_steps) / span))
+    low = config.min_lr_ratio
+    if config.lr_schedule == "cosine":
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+    return low + (1 - low) * (1 - progress)
+
+
+class _StepStats:
+    """Sums over micro-batches, turned into the step's metrics."""
+
+    def __init__(self) -> None:
+        self.loss = self.tokens = self.clipped = self.ratio_sum = self.k3 = self.absdiff = 0.0
+        self.tis = self.entropy = 0.0
+        self.ratio_min, self.ratio_max = math.inf, -math.inf
+
+    def add(self, res, entropy_sum: torch.Tensor) -> None:
+        self.loss += float(res.loss.detach())
+        self.tokens += res.tokens
+        self.clipped += res.clipped
+        self.ratio_sum += res.ratio_sum
+        self.ratio_min = min(self.ratio_min, res.ratio_min)
+        self.ratio_max = max(self.ratio_max, res.ratio_max)
+        self.k3 += res.mismatch_k3_sum
+        self.absdiff += res.mismatch_abs_sum
+        self.tis += res.tis_weight_sum
+        self.entropy += float(entropy_sum)
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        return {
+            "loss": self.loss,
+            "entropy": self.entropy / n,
+            "clip_fraction": self.clipped / n,
+            "ratio_mean": self.ratio_sum / n,
+            "ratio_min": self.ratio_min,
+            "ratio_max": self.ratio_max,
+            "mismatch_kl": self.k3 / n,
+            "mismatch_abs_diff": self.absdiff / n,
+            "tis_weight_mean": self.tis / n,
+        }
+
+
+class GRPOTrainer:
+    """LoRA GRPO trainer over exact-token rows; see the module docstring for one step's anatomy."""
+
+    def __init__(self, base_model: str, config: TrainerConfig | None = None, device: str = "cpu", model=None,
+                 tokenizer=None):
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        self.config = config = config or TrainerConfig()
+        self.base_model = str(base_model)
+        self.device = torch.device(device)
+        self.dtype = _dtype(config.dtype, device)
+        self.backend = choose_backend(config.backend, device)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        if self.backend == "unsloth":
+            from backends.modeling.loading import resolve_model
+
+            self.model, self.tokenizer = load_with_unsloth(str(resolve_model(base_model).path), config, self.dtype)
+        else:
+            if model is None:
+                from backends.modeling.loading import load_model
+
+                model, tokenizer, _ = load_model(base_model, device=device, dtype=self.dtype)
+            elif tokenizer is None:
+                raise ValueError("pass the tokenizer together with the model")
+            if not isinstance(model, PeftModel):
+                lora = LoraConfig(
+                    r=config.lora_rank,
+                    lora_alpha=config.lora_alpha,
+                    lora_dropout=config.lora_dropout,
+                    target_modules=config.target_modules,
+                    bias="none",
+                    task_type="CAUSAL_LM",
+                )
+                model = get_peft_model(model, lora)
+            self.model, self.tokenizer = model, tokenizer
+        self._lm = self.model.get_base_model()
+        self._lm.config.use_cache = False
+        self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
+        on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
+        fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
+        self.patched_ops = patch_model(self._lm, compile=on_cuda, fuse_lora=fused) if lean and peft_path else {}
+        self.fused_lora_layers = patch_lora(self.model) if fused and peft_path else 0
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
+                if hasattr(m, "cast_input_dtype_enabled"):
+                    m.cast_input_dtype_enabled = False
+        if config.gradient_checkpointing and self.backend == "peft":
+            self._enable_checkpointing(config.checkpoint_layer_fraction)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable (LoRA) parameters")
+        for p in params:  # master weights in fp32 whatever the base dtype
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        self._params = params
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.learning_rate, betas=tuple(config.adam_betas), eps=config.adam_eps,
+            weight_decay=config.weight_decay, **({"fused": True} if self.device.type == "cuda" else {}),
+        )
+
+        def schedule(taken: int) -> float:
+            return lr_factor(self.config, taken)
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.step = 0
+        self.metrics_history: list[dict[str, float]] = []
+        self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
+
+    # Fields baked into the model or its wrapping at construction; update_config refuses to change them.
+    FIXED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "backend", "dtype", "seed",
+                    "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
+
+    def update_config(self, **overrides) -> TrainerConfig:
+        """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
+
+        The optimizer's hyper-parameters and the schedule's base rate follow; fields in FIXED_FIELDS
+        (adapter shape, dtype, backend, checkpointing) cannot change on a live trainer: error.
+        """
+        new = TrainerConfig.model_validate({**self.config.model_dump(), **overrides})
+        fixed = [f"{k}: {getattr(self.config, k)!r} -> {getattr(new, k)!r}" for k in self.FIXED_FIELDS
+                 if getattr(new, k) != getattr(self.config, k)]
+        if fixed:
+            raise ValueError("cannot change on a live trainer (start a new one): " + "; ".join(fixed))
+        self.config = new
+        self.scheduler.base_lrs = [new.learning_rate for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=new.learning_rate, lr=new.learning_rate * lr_factor(new, self.step),
+                         weight_decay=new.weight_decay, betas=tuple(new.adam_betas), eps=new.adam_eps)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        return new
+
+    # --- model plumbing -------------------------------------------------------------------------------
+    def _enable_checkpointing(self, fraction: float) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        if hasattr(self._lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            self._lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self._lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = [m for m in self._lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, layer in enumerate(layers):  # evenly spread: layer i is recomputed when floor() steps
+            layer.gradient_checkpointing = math.floor((i + 1) * fraction) > math.floor(i * fraction)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
+        decoder = self._lm.get_decoder()
+        kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
+        packing = contextlib.nullcontext()
+        if self.packed:
+            kwargs["trajflow_segments"] = mb.segments
+            packing = packed_forward()
+        with packing, self._autocast():
+            out = decoder(**kwargs)
+        return out[0][0]
+
+    def _token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy) of the micro-batch's trained tokens under the current model."""
+        hidden = self._hidden(mb).index_select(0, mb.pred_index)
+        weight = self._lm.get_output_embeddings().weight
+        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
+                                compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
+
+    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
+        for r in rows:
+            top = max(r.token_ids)
+            if top >= self.vocab_size:
+                raise ValueError(f"{r.source}: token id {top} is outside the model's vocabulary ({self.vocab_size})")
+        bins = plan_bins([len(r) for r in rows], self.config.micro_batch_tokens, pack=self.packed)
+        return [make_micro_batch([rows[i] for i in b], self.device) for b in bins]
+
+    def _shape_advantages(self, batches: list[MicroBatch]) -> float:
+        """KL-shaped advantages: policy vs reference (adapter off) on every trained token; returns mean(k)."""
+        was_training = self.model.training
+        self.model.eval()
+        kls = []
+        with torch.no_grad():
+            for mb in batches:
+                policy, _ = self._token_logprobs(mb)
+                with self.model.disable_adapter():
+                    ref, _ = self._token_logprobs(mb)
+                kls.append(policy - ref)
+        self.model.train(was_training)
+        deltas, mean_k = kl_shaping(kls, self.config.kl_coef)
+        for mb, d in zip(batches, deltas):
+            mb.advantages = mb.advantages + d.float()
+        return mean_k
+
+    # --- the step --------------------------------------------------------------------------------------
+    def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        """ONE optimizer step over every trainable row of ``groups``; returns the step's metrics."""
+        cfg = self.config
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        rows, stats = build_rows(groups, max_row_tokens=cfg.max_row_tokens, overlong=cfg.overlong,
+                                 scale_rewards=cfg.scale_rewards)
+        metrics = stats.as_metrics()
+        if not rows:
+            metrics.update(no_trainable_rows=1.0, step=float(self.step), trained_tokens=0.0, tokens=0.0)
+            return metrics
+        assign_aggregation_weights(rows, cfg.aggregation, cfg.dr_grpo_norm or cfg.max_row_tokens)
+        batches = self._micro_batches(rows)
+        if cfg.kl_coef > 0:
+            metrics["kl_policy_ref"] = self._shape_advantages(batches)
+        eps, eps_high = cfg.clip_range()
+        acc = _StepStats()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        done = []
+        for mb in batches:
+            logp, entropy = self._token_logprobs(mb)
+            res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
+                              loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap)
+            res.loss.backward()
+            done.append((mb, res, entropy.sum()))  # read after the loop: no host sync between micro-batches
+        for mb, res, entropy_sum in done:
+            if not math.isfinite(float(res.loss.detach())):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite loss ({float(res.loss)}) in the micro-batch of: {mb.sources()}")
+            acc.add(res, entropy_sum)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); no optimizer step was taken")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:  # CPU: the process's peak resident memory (ru_maxrss is in KiB on Linux)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(r) for r in rows)
+        metrics.update(acc.metrics())
+        metrics.update(
+            no_trainable_rows=0.0,
+            step=float(self.step),
+            grad_norm=grad_norm,
+            learning_rate=lr,
+            tokens=float(tokens),
+            trained_tokens=float(acc.tokens),
+            micro_batches=float(len(batches)),
+            step_time_s=elapsed,
+            tokens_per_s=tokens / elapsed,
+            peak_memory_gib=peak,
+        )
+        self.metrics_history.append(metrics)
+        return metrics
+
+    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """The current policy's logprob of each completion token after the prompt (eval mode, no grad)."""
+        if not prompt_ids or not completion_ids:
+            raise ValueError("sequence_logprobs needs a non-empty prompt and completion")
+        ids = list(prompt_ids) + list(completion_ids)
+        mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
+        row = TrainingRow(ids, mask, [0.0] * len(ids), source="sequence_logprobs")
+        (mb,) = self._micro_batches([row])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logp, _ = self._token_logprobs(mb)
+        finally:
+            self.model.train(was_training)
+        return logp.tolist()
+
+    def greedy_continuation(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens of the float32
+        logits (EOS does not stop it) and each one's logprob as `sequence_logprobs` gives it. The same modules
+        as training, decoded with a KV cache: one prefill, one step per token, then one scoring pass."""
+        if not prompt_ids or max_tokens < 1:
+            raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
+        from transformers import DynamicCache
+
+        decoder, weight = self._lm.get_decoder(), self._lm.get_output_embeddings().weight
+        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        step_ids, cache, tokens = torch.tensor([list(prompt_ids)], device=self.device), DynamicCache(), []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                for _ in range(max_tokens):
+                    hidden = decoder(input_ids=step_ids, use_cache=True, **{cache_arg: cache})[0][0, -1:]
+                    tokens.append(int(logits_fp32(hidden, weight).argmax(-1)))
+                    step_ids = torch.tensor([[tokens[-1]]], device=self.device)
+        finally:
+            self.model.train(was_training)
+        return tokens, self.sequence_logprobs(prompt_ids, tokens)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path) -> None:
+        """``path/adapter`` (peft safetensors) and ``path/trainer`` (optimizer, scheduler, RNG, step, config, metrics)."""
+        meta = {"format": 1, "step": self.step, "base_model": self.base_model, "backend": self.backend,
+                "config": self.config.model_dump(mode="json")}
+        write_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, meta=meta,
+                         metrics=self.metrics_history)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Continue exactly from a checkpoint: adapter, optimizer, scheduler, RNG, step and metrics; the learning
+        rate, schedule and optimizer hyper-parameters then follow this trainer's config (the checkpoint's
+        scheduler state would otherwise keep the old base rate)."""
+        from peft import set_peft_model_state_dict
+
+        weights, state, meta, metrics = read_checkpoint(path)
+        check_compatible(meta.get("config", {}), self.config.model_dump(mode="json"), path)
+        result = set_peft_model_state_dict(self.model, weights)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        missing = [k for k in (getattr(result, "missing_keys", []) or []) if "lora_" in k]
+        if unexpected or missing:
+            raise ValueError(f"checkpoint {path} does not fit this model: unexpected {unexpected[:5]}, "
+                             f"missing {missing[:5]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
+        self.step = int(meta["step"])
+        self.metrics_history = list(metrics)
+        self.update_config()  # this trainer's settings, not the checkpoint's (identical if unchanged)

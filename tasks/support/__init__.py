@@ -1,0 +1,1 @@
+"""What the stage tasks share: cache keys, retry policy, crash points, progress, tracing, reporting, result storage, the run's process-local resources."""

@@ -1,0 +1,30 @@
+"""Where Prefect persists task results (and so its cache records): inside the run's own storage.
+
+A cache record lives next to the data it describes, under ``<run>/prefect-results/``, so a new
+machine with a fresh Prefect home and the same storage finds every finished stage. Local roots use a
+plain path (no block needed); remote roots (s3://…) use a ``RemoteFileSystem`` block saved
+idempotently at flow start, with ``settings={}`` so credentials and endpoint come from the
+environment and never land in the block document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from tasks.run_config import RunConfig
+from tasks.support.runtime import get_runtime
+
+
+def result_storage_for(config: RunConfig):
+    """A value for ``task.with_options(result_storage=...)``: a Path or a saved block's slug."""
+    url = get_runtime(config).store.url.rstrip("/") + "/prefect-results"
+    if "://" not in url or url.startswith("file://"):
+        path = Path(url.removeprefix("file://"))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    from prefect.filesystems import RemoteFileSystem
+
+    name = "trajflow-" + hashlib.sha256(url.encode()).hexdigest()[:16]
+    RemoteFileSystem(basepath=url, settings={}).save(name, overwrite=True)
+    return f"remote-file-system/{name}"

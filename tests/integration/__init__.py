@@ -1,0 +1,1 @@
+"""Flow, resume, evaluation and ART end-to-end tests."""

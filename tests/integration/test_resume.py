@@ -1,0 +1,134 @@
+"""Kill the training flow with SIGKILL at three moments and resume it on a fresh Prefect home.
+
+One chain per storage kind (local folder, S3 on moto): kill (a) after the first rollout group of step
+1 is stored, (b) in the middle of step 1's training, (c) after step 2 is trained and published but
+before its commit; then run to the end. Each run is a process of its own running `flows.train` as
+`__main__` with a new PREFECT_HOME (a new machine); it is forked from tests/forkserver.py, which
+imported torch, transformers and peft once (~6 s saved per run). The flow processes report to the
+session's Prefect API server, which outlives the killed ones, as a shared server does in production
+(each process is spared the ~20 s start of an ephemeral server on a fresh database). The local
+chain's last resume instead runs on Prefect's default ephemeral API with a brand-new database:
+nothing but the run's storage carries the run over. The inference server is shared and sits behind
+a counting proxy, so the test sees every rollout request.
+Asserted: no stored rollout group is requested again, the run reaches the final step, and the
+adapters are byte-identical to an uninterrupted run's on the same rollouts.
+
+Why "on the same rollouts": batched inference is not bitwise batch-invariant (the same seeded request
+alone or beside five others gave the same tokens but logprobs 4.8e-7 apart on this CPU), and rollout
+batches depend on arrival timing. So the uninterrupted reference is a fresh run over a copy of the
+chain's stored rollout groups (nothing else: no checkpoints, no manifests past step 0, no Prefect
+cache records); it must request no rollout and train steps 1 and 2 in one go to the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from storage.store import RunStore
+from tests.paths import REPO
+
+GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
+
+
+def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str | None,
+             env_extra: dict | None = None, api_url: str | None = None):
+    """One `python -m flows.train` run (forked) on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
+    home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
+    for key in ("TRAJFLOW_CRASH_AT", "PREFECT_API_URL"):
+        env.pop(key, None)
+    if crash_at:
+        env["TRAJFLOW_CRASH_AT"] = crash_at
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    args = ["configs/tiny.yaml", "--set", f"storage={root}", "--set", "agent=tests.flow_agents:EchoAgent",
+            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
+            "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
+            "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
+    log_path = tmp_path / f"flow-{os.urandom(4).hex()}.log"
+    code = launcher.run(["-m", "flows.train", *args], env, REPO, log_path, timeout=400)
+    return code, log_path.read_text()
+
+
+def adapter_bytes(store: RunStore, step: int) -> bytes:
+    return store.get_bytes(step, "adapter/adapter_model.safetensors")
+
+
+def copy_rollouts_only(store: RunStore, target: Path) -> None:
+    """Copy run.json, step 0 and every stored rollout group of the run to a local folder."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(store.url)
+    for path in fs.find(base):
+        rel = path[len(base.rstrip("/")) + 1:]
+        if rel == "run.json" or rel.startswith("steps/00000/") or "/groups/" in rel:
+            dest = target / store.project / store.run / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(fs.cat_file(path))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill below
+    assert api and api.startswith("http://127.0.0.1:"), api
+    env = {}
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
+        env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
+        root = f"s3://{bucket}/runs"
+    else:
+        root = str(tmp_path / "runs")
+    store = RunStore(root, "ci", "tiny")
+    proxy, launcher = counting_server, fork_launcher
+
+    # (a) killed right after the first group of step 1 was stored, the other groups' requests in flight
+    proxy.reset()
+    proxy.hold_rollouts_after("tiny@0", GROUP_SIZE)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "rollouts-group:1", env, api)
+    assert code == -signal.SIGKILL, out[-3000:]
+    stored = len(store.list_files(1, "groups/"))
+    assert stored == 1 and store.committed_steps() == [0]
+
+    # (b) resumed: only the missing group is requested; killed in the middle of step 1's training
+    proxy.reset()
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "training:1", env, api)
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert len(proxy.rollout_requests("tiny@0")) == (GROUPS - stored) * GROUP_SIZE
+    assert len(store.list_files(1, "groups/")) == GROUPS
+    assert store.committed_steps() == [0] and not store.exists(1, "training.json")
+
+    # (c) resumed: step 1 trains from stored rollouts (no request), step 2 runs; killed before its commit
+    proxy.reset()
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "before-commit:2", env, api)
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == []
+    assert len(proxy.rollout_requests("tiny@1")) == GROUPS * GROUP_SIZE
+    assert store.committed_steps() == [0, 1] and store.exists(2, "training.json")
+
+    # resumed to the end: nothing of step 2 is sampled again, and the result equals the uninterrupted run.
+    # The local chain does it on the default ephemeral API (a new database): only storage carries the run.
+    proxy.reset()
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, None, env, None if kind == "local" else api)
+    assert code == 0, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
+    assert store.committed_steps() == [0, 1, 2]
+
+    # the uninterrupted reference on the same rollouts: no request, same adapter bytes at every step
+    replay_root = tmp_path / "replay"
+    copy_rollouts_only(store, replay_root)
+    proxy.reset()
+    code, out = run_flow(launcher, str(replay_root), proxy.url, tmp_path, None, api_url=api)
+    assert code == 0, out[-3000:]
+    assert proxy.rollout_requests("tiny@0") == [] and proxy.rollout_requests("tiny@1") == []
+    replay = RunStore(str(replay_root), "ci", "tiny")
+    for step in range(1, STEPS + 1):
+        assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"

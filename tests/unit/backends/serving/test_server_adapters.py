@@ -1,0 +1,133 @@
+"""LoRA adapters on the embedded server: load from a folder or a file:// URI, per-row mixing, names, unload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import openai
+import pytest
+import torch
+
+from backends.serving.inference_client import InferenceClient
+from tests.fixtures_server import API_KEY
+from tests.unit.backends.serving.test_server import MESSAGES, teacher_forced_logprobs
+
+
+async def _ask(client, model, seed=21, **kw):
+    return await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, seed=seed,
+                                                logprobs=True, extra_body={"ignore_eos": True}, **kw)
+
+
+def _lps(reply):
+    return torch.tensor([c.logprob for c in reply.choices[0].logprobs.content])
+
+
+async def test_adapter_changes_outputs_and_unloading_restores_them(client, tiny_server, tiny_hf, random_adapter):
+    folder, peft_model = random_adapter
+    dialect = InferenceClient(tiny_server.base_url, api_key=API_KEY)
+    base_before = await _ask(client, "tiny-random")
+    await dialect.load_adapter("pol@1", str(folder))
+    assert "pol@1" in await dialect.models()
+    # base and adapter rows in one batch
+    base_mid, tuned, tuned_bare = await asyncio.gather(_ask(client, "tiny-random"), _ask(client, "pol@1"),
+                                                       _ask(client, "pol"))
+    assert base_mid.choices[0].token_ids == base_before.choices[0].token_ids
+    torch.testing.assert_close(_lps(base_mid), _lps(base_before))
+    assert tuned.choices[0].token_ids != base_before.choices[0].token_ids
+    assert tuned_bare.choices[0].token_ids == tuned.choices[0].token_ids  # bare name: highest loaded step
+    # the adapter's logprobs are the peft model's
+    reference = teacher_forced_logprobs(peft_model, tuned.prompt_token_ids, tuned.choices[0].token_ids)
+    torch.testing.assert_close(_lps(tuned), reference, atol=1e-4, rtol=1e-4)
+    base_ref = teacher_forced_logprobs(tiny_hf[0], tuned.prompt_token_ids, tuned.choices[0].token_ids)
+    assert (base_ref - _lps(tuned)).abs().max() > 1e-2
+
+    await dialect.unload_adapter("pol@1")
+    assert "pol@1" not in await dialect.models()
+    with pytest.raises(openai.NotFoundError):
+        await _ask(client, "pol@1")
+    with pytest.raises(openai.NotFoundError):
+        await _ask(client, "pol")
+    after = await _ask(client, "tiny-random")
+    assert after.choices[0].token_ids == base_before.choices[0].token_ids
+    torch.testing.assert_close(_lps(after), _lps(base_before))
+
+
+async def test_load_from_file_uri_and_bare_name_means_highest_step(client, tiny_server, random_adapter, tmp_path):
+    folder, _ = random_adapter
+    copy = tmp_path / "policy" / "step-00003"
+    shutil.copytree(folder, copy)
+    dialect = InferenceClient(tiny_server.base_url, api_key=API_KEY)
+    await dialect.load_adapter("uri@3", copy.as_uri())
+    await dialect.load_adapter("uri@1", str(folder))
+    await dialect.load_adapter("uri@1", str(folder))  # same name, same path: idempotent
+    try:
+        from_uri = await _ask(client, "uri@3")
+        from_dir = await _ask(client, "uri@1")
+        assert from_uri.choices[0].token_ids == from_dir.choices[0].token_ids
+        shutil.rmtree(copy)  # the served copy is the fetched one in the cache, not the source
+        bare = await _ask(client, "uri")
+        assert bare.choices[0].token_ids == from_uri.choices[0].token_ids
+        assert bare.model == "uri"
+    finally:
+        await dialect.unload_adapter("uri@3")
+        await dialect.unload_adapter("uri@1")
+
+
+async def test_more_adapters_than_device_slots_still_serve_correctly(client, tiny_server, random_adapter):
+    folder, _ = random_adapter
+    dialect = InferenceClient(tiny_server.base_url, api_key=API_KEY)
+    slots = tiny_server.engine.config.max_loras
+    names = [f"many@{i}" for i in range(slots + 2)]
+    for name in names:
+        await dialect.load_adapter(name, str(folder))
+    try:
+        replies = await asyncio.gather(*[_ask(client, name) for name in names])
+        first = replies[0].choices[0].token_ids
+        assert all(r.choices[0].token_ids == first for r in replies)
+    finally:
+        for name in names:
+            await dialect.unload_adapter(name)
+
+
+async def test_bad_adapters_are_400_and_unknown_unload_is_404(tiny_server, random_adapter, tmp_path, tiny_hf):
+    import httpx
+
+    folder, _ = random_adapter
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = tiny_server.base_url
+
+    def load(name, path):
+        return httpx.post(url + "/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=headers)
+
+    assert load("x@1", str(tmp_path / "missing")).status_code == 400
+    wrong_rank = tmp_path / "dora"
+    shutil.copytree(folder, wrong_rank)
+    cfg = json.loads((wrong_rank / "adapter_config.json").read_text())
+    (wrong_rank / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    reply = load("x@1", str(wrong_rank))
+    assert reply.status_code == 400 and "DoRA" in reply.json()["error"]["message"]
+    assert load("tiny-random", str(folder)).status_code == 400
+    assert load("x@1", "file://" + str(tmp_path / "nowhere")).status_code == 400
+    reply = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "never"}, headers=headers)
+    assert reply.status_code == 404 and "never" in reply.json()["error"]["message"]
+    ok = load("x@1", str(folder))
+    assert ok.status_code == 200 and "Success" in ok.text
+    try:
+        clash = load("x@1", str(wrong_rank))
+        assert clash.status_code == 400 and "already loaded" in clash.json()["error"]["message"]
+    finally:
+        httpx.post(url + "/unload_lora_adapter", json={"lora_name": "x@1"}, headers=headers)
+
+
+async def test_inference_client_health_and_wait(tiny_server):
+    dialect = InferenceClient(tiny_server.base_url, api_key=API_KEY)
+    assert await dialect.health()
+    await dialect.wait_healthy(5)
+    assert not await InferenceClient(tiny_server.base_url, api_key="wrong").health()
+    dead = InferenceClient("http://127.0.0.1:9/v1", timeout=1)
+    assert not await dead.health()
+    with pytest.raises(TimeoutError):
+        await dead.wait_healthy(0.5)
+    assert dialect.models_sync()[0] == "tiny-random"

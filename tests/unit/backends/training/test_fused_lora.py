@@ -1,0 +1,113 @@
+"""Fused LoRA linear (fused_lora.patch_lora) and the compiled-logprob switch on the tiny model."""
+
+import pytest
+import torch
+
+from backends.training.logprobs import chunked_logprobs, full_logprobs
+from backends.training.kernels.fused_lora import lora_linear
+from backends.training.config import TrainerConfig
+from backends.training.trainer import GRPOTrainer
+from tests.fixtures_trainer import synthetic_group
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _lora_state(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+def test_fused_op_matches_peft_formula_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 12, generator=g, requires_grad=True)
+    w, bias = torch.randn(7, 12, generator=g), torch.randn(7, generator=g)
+    a = torch.randn(4, 12, generator=g, requires_grad=True)
+    b = torch.randn(7, 4, generator=g, requires_grad=True)
+    upstream = torch.randn(2, 5, 7, generator=g)
+    for with_bias in (bias, None):
+        ours = lora_linear(x, w, with_bias, a, b, 0.5)
+        ref = torch.nn.functional.linear(x, w, with_bias) + (x @ a.t() @ b.t()) * 0.5
+        assert ours.shape == ref.shape and torch.allclose(ours, ref, atol=1e-5)
+        got = torch.autograd.grad((ours * upstream).sum(), (x, a, b))
+        want = torch.autograd.grad((ref * upstream).sum(), (x, a, b))
+        for gg, ww in zip(got, want):
+            assert torch.allclose(gg, ww, atol=1e-5)
+
+
+def test_fused_trainer_step_equals_peft_and_falls_back_where_it_must(tiny_model_path):
+    groups = [synthetic_group([0.0, 1.0, 0.25]), synthetic_group([2.0, 0.0])]
+    cfg = dict(learning_rate=1e-3, kl_coef=0.2, gradient_checkpointing=True, checkpoint_layer_fraction=0.5)
+    runs = {}
+    for mode in ("off", "on"):
+        trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora=mode, **cfg))
+        first = trainer.train_step(groups)  # KL shaping runs the adapter-disabled reference through peft
+        second = trainer.train_step(groups)
+        runs[mode] = (trainer, first, second, _lora_state(trainer))
+    assert runs["off"][0].fused_lora_layers == 0
+    assert runs["on"][0].fused_lora_layers == 14  # 2 layers x 7 linear projections
+    for step in (1, 2):
+        ref, ours = runs["off"][step], runs["on"][step]
+        for key in ("loss", "grad_norm", "entropy", "kl_policy_ref", "mismatch_kl"):
+            assert ours[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (step, key)
+    assert runs["on"][2]["kl_policy_ref"] != 0.0  # the reference really was the adapter-off model
+    for n, w in runs["off"][3].items():
+        assert torch.allclose(runs["on"][3][n], w, atol=1e-6), n
+    # same function outside training too, and peft's path is used when adapters are switched off
+    trainer_on, trainer_off = runs["on"][0], runs["off"][0]
+    prompt, completion = [5, 6, 7, 8], [10, 11, 12]
+    assert trainer_on.sequence_logprobs(prompt, completion) == pytest.approx(
+        trainer_off.sequence_logprobs(prompt, completion), abs=1e-5)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad(), trainer_on.model.disable_adapter(), trainer_off.model.disable_adapter():
+        assert torch.equal(trainer_on.model(input_ids=ids).logits, trainer_off.model(input_ids=ids).logits)
+
+
+def test_fused_lora_with_dropout_uses_peft_and_resumes_bit_exactly(tiny_model_path, tmp_path):
+    cfg = TrainerConfig(fused_lora="on", lora_dropout=0.1, learning_rate=5e-3, micro_batch_tokens=24, seed=3)
+    groups = [[synthetic_group([0.0, 1.0 + k, 0.5], scenario_id=f"a{k}")] for k in range(3)]
+    straight = GRPOTrainer(str(tiny_model_path), cfg)
+    assert straight.fused_lora_layers == 14
+    for k in range(3):
+        straight.train_step(groups[k])
+    straight.save_checkpoint(tmp_path / "straight")
+    first = GRPOTrainer(str(tiny_model_path), cfg)
+    first.train_step(groups[0])
+    first.save_checkpoint(tmp_path / "after1")
+    resumed = GRPOTrainer(str(tiny_model_path), cfg)
+    resumed.load_checkpoint(tmp_path / "after1")
+    for k in (1, 2):
+        resumed.train_step(groups[k])
+    resumed.save_checkpoint(tmp_path / "resumed")
+    adapter = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "straight" / adapter).read_bytes() == (tmp_path / "resumed" / adapter).read_bytes()
+    with pytest.raises(ValueError, match="fused_lora"):
+        straight.update_config(fused_lora="off")
+
+
+def test_compiled_logprobs_fall_back_to_the_same_eager_math(monkeypatch):
+    from backends.training.kernels import torch_compile as kernels
+
+    kernels.reset()
+    attempts = []
+
+    def failing_compile(fn, dynamic):
+        def compiled(*args):
+            attempts.append(fn.__name__)
+            raise RuntimeError("no triton on this machine")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, 8, generator=g, requires_grad=True)
+    weight = torch.randn(32, 8, generator=g)
+    targets = torch.randint(0, 32, (10,), generator=g)
+    eager_logp, eager_entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7)
+    (eager_grad,) = torch.autograd.grad(eager_logp.sum(), hidden)
+    with pytest.warns(RuntimeWarning, match="running every kernel eagerly: RuntimeError: no triton on this machine"):
+        logp, entropy = chunked_logprobs(hidden, weight, targets, chunk=3, temperature=0.7, compile=True)
+    (grad,) = torch.autograd.grad(logp.sum(), hidden)
+    assert attempts == ["_chunk_stats"]  # tried once, then eager for good (backward too)
+    assert kernels.failure() == "RuntimeError: no triton on this machine"
+    kernels.reset()
+    assert torch.equal(logp, eager_logp) and torch.equal(entropy, eager_entropy) and torch.equal(grad, eager_grad)
+    ref_logp, ref_entropy = full_logprobs(hidden, weight, targets, temperature=0.7)
+    assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)
