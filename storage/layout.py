@@ -1,11 +1,23 @@
-"""The run layout, in one place.
+"""The run layout, in one place: every file and folder name inside a run and a step is spelled here.
 
 ```
-<root>/<project>/<run>/run.json                    the run's config
-<root>/<project>/<run>/steps/<NNNNN>/...           the step's files (trajectories, adapter/, trainer/, ...)
-<root>/<project>/<run>/steps/<NNNNN>/manifest.json written last; without it the step does not exist
-<root>/<project>/<run>/<relpath>                   run-level files (e.g. judge-cache/<hash>.json)
+<root>/<project>/<run>/run.json                          the run's config
+<root>/<project>/<run>/steps/<NNNNN>/manifest.json       written last; without it the step does not exist
+<root>/<project>/<run>/steps/<NNNNN>/scenarios.json      the step's sampled scenarios
+                                     groups/<NNNN>.parquet   one rollout group each, stored as it finishes
+                                     scored.parquet      the scored groups the update trained on
+                                     adapter/            the LoRA adapter (peft: adapter_config.json,
+                                                         adapter_model.safetensors)
+                                     trainer/            optimizer, scheduler and RNG state, metrics
+                                     training.json       the update's metrics, adapter hashes, probe record;
+                                                         written after adapter/ and trainer/: the update is done
+                                     eval/<NNNN>.parquet, eval.parquet   validation rollouts and their scores
+                                     logs/<split>.parquet  trajectories an ART-style script logged
+<root>/<project>/<run>/judge-cache/<hash>.json           judge verdicts by content hash
+<root>/<project>/<run>/evaluations/<stamp>/...           `trajflow eval` rollouts; <stamp>.json, <stamp>.png
+<root>/<project>/<run>/prefect-results/                  Prefect's cache records for the run's tasks
 ```
+A trainer checkpoint folder on local disk has the same ``adapter/`` and ``trainer/`` as a step.
 Step numbers have five digits (00000-99999).
 """
 
@@ -17,6 +29,56 @@ RUN_CONFIG = "run.json"
 STEPS_DIR = "steps"
 MANIFEST = "manifest.json"
 MAX_STEP = 99_999
+
+# inside a step
+SCENARIOS = "scenarios.json"
+GROUPS_DIR = "groups"
+SCORED = "scored.parquet"
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_REL = f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"
+TRAINER_STATE_DIR = "trainer"
+TRAINER_STATE = "state.pt"
+TRAINER_META = "trainer.json"
+TRAINER_METRICS = "metrics.json"
+TRAINING_RESULT = "training.json"
+EVAL_GROUPS_DIR = "eval"
+EVAL_SCORED = "eval.parquet"
+LOGS_DIR = "logs"
+
+# inside a run
+JUDGE_CACHE_DIR = "judge-cache"
+EVALUATIONS_DIR = "evaluations"
+PREFECT_RESULTS_DIR = "prefect-results"
+
+
+def group_file(prefix: str, index: int) -> str:
+    """``groups/0003.parquet``: rollout group ``index`` under ``prefix`` (a step's groups, eval, an evaluation)."""
+    return f"{prefix}/{index:04d}.parquet"
+
+
+def scored_file(prefix: str) -> str:
+    """The scores of the groups under ``prefix`` (an evaluation's folder)."""
+    return f"{prefix}/{SCORED}"
+
+
+def logged_split(split: str) -> str:
+    """``logs/val.parquet``: trajectories an ART-style script logged for ``split``."""
+    return f"{LOGS_DIR}/{split}.parquet"
+
+
+def judge_cache_file(key: str) -> str:
+    return f"{JUDGE_CACHE_DIR}/{key}.json"
+
+
+def evaluation_dir(stamp: str, label: str) -> str:
+    """Where `trajflow eval` stores one policy's rollouts: ``evaluations/<stamp>/<label, @ and / replaced>``."""
+    return f"{EVALUATIONS_DIR}/{stamp}/{label.replace('@', '-').replace('/', '_')}"
+
+
+def evaluation_file(stamp: str, suffix: str) -> str:
+    """``evaluations/<stamp>.<suffix>``: the evaluation's table (json) or chart (png)."""
+    return f"{EVALUATIONS_DIR}/{stamp}.{suffix}"
 
 
 def check_step(step: int) -> int:
