@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from agents.trajectory import TrajectoryGroup
 
 
+def policy_name(run: str, step: int) -> str:
+    """The served name of a run's policy after `step` updates: ``<run>@<step>`` (a bare ``<run>`` is the latest)."""
+    return f"{run}@{step}"
+
+
 class TrainConfig(BaseModel):
     """Per-step training options (ART's ``TrainConfig``); unset fields keep the model's trainer config."""
 
@@ -79,7 +84,7 @@ class Model(BaseModel):
     def get_inference_name(self, step: int | None = None) -> str:
         """The model id to request: the latest policy, or a pinned ``<name>@<step>``."""
         if step is not None:
-            return f"{self.name}@{step}"
+            return policy_name(self.name, step)
         return self.inference_model_name or self.name
 
     def _require_backend(self) -> Backend:

@@ -22,7 +22,7 @@ from typing import Any
 from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
-from backends.policy.store import TRAINING_RESULT
+from backends.policy.checkpoints import training_result
 from backends.training.config import TrainerConfig
 
 from tasks.support.crash_points import crash_point
@@ -126,7 +126,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             print(format_step_line(0, metrics))
             last = 0
         else:
-            training = store.get_json(last, TRAINING_RESULT) if store.exists(last, TRAINING_RESULT) else None
+            training = training_result(store, last)
             staged(publish_policy)(config, last, training)
             print(f"resuming {config.project}/{config.run} after committed step {last}")
         for step in range(last + 1, config.steps + 1):

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.judge import JudgeConfig
+from agents.model import policy_name
 from agents.rewards import RewardConfig
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
@@ -44,7 +45,7 @@ class InferenceConfig(BaseModel):
         default=None, gt=0,
         description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
         "smaller catches subtler stale adapters. None: 0.05 for a float32 trainer, 0.25 for bfloat16 "
-        "(backends/policy_store.AUTO_PROBE_TOLERANCE)",
+        "(backends/policy/probe.py AUTO_PROBE_TOLERANCE)",
     )
 
 
@@ -118,13 +119,9 @@ class RunConfig(BaseModel):
     def _safe_names(cls, v: str, info) -> str:
         return validate_name(info.field_name, v)
 
-    @property
-    def policy_name(self) -> str:
-        return self.run
-
     def policy(self, step: int) -> str:
         """The served name of the policy after `step` updates."""
-        return f"{self.run}@{step}"
+        return policy_name(self.run, step)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

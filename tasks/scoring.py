@@ -20,8 +20,8 @@ from agents.group_metrics import summarize
 from agents.rewards import set_reward
 from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
-from backends.policy import store as policy_store
 
+from storage.layout import SCORED
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
 from tasks.rollouts import read_groups
@@ -31,7 +31,6 @@ from tasks.support.runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
 
-SCORED = policy_store.SCORED
 
 
 class StoreJudgeCache:

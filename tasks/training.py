@@ -4,7 +4,7 @@ The update reads the scored groups from storage, so it can run here (``training.
 default: in the flow's process on its device) or on a GPU worker (``training.mode=deployment``: the
 ``train-step/gpu`` deployment of ``flows/train_step.py`` runs the same function and writes the same
 files). The storage side (checkpoint upload, ``training.json`` written last) is
-``backends.policy.store``.
+``backends.policy.checkpoints``, shared with LocalBackend.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import task
 
-from backends.policy import store as policy_store
+from backends.policy.checkpoints import initialize, train_step, training_result
 
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
@@ -24,19 +24,17 @@ from tasks.support.runtime import get_runtime
 
 def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:
     """Step 0: the seeded initial adapter (LoRA B = 0, so it equals the base model) and optimizer state."""
-    rt = get_runtime(config)
-    if rt.store.exists(0, policy_store.TRAINING_RESULT):
-        return rt.store.get_json(0, policy_store.TRAINING_RESULT)
-    return policy_store.save_checkpoint(rt.store, 0, rt.fresh_trainer(), {})
+    rt = get_runtime(config)  # this process's store and trainer for the run (tasks/support/runtime.py)
+    return initialize(rt.store, rt.fresh_trainer)
 
 
 def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     """Load checkpoint step-1, train on the scored groups of `step`, upload checkpoint `step`."""
-    rt = get_runtime(config)
-    if rt.store.exists(step, policy_store.TRAINING_RESULT):  # finished before a kill: never train twice
-        return rt.store.get_json(step, policy_store.TRAINING_RESULT)
-    result = policy_store.train_step(rt.store, step, rt.trainer_at(step - 1),
-                                     after_update=lambda s: crash_point("training", s))
+    rt = get_runtime(config)  # this process's store and trainer for the run (tasks/support/runtime.py)
+    finished = training_result(rt.store, step)
+    if finished is not None:  # finished before a kill: never load a trainer, never train twice
+        return finished
+    result = train_step(rt.store, step, rt.trainer_at(step - 1), after_update=lambda s: crash_point("training", s))
     rt.mark_trainer_step(step)
     return result
 
@@ -52,7 +50,11 @@ def train_remote(config: RunConfig, step: int) -> dict[str, Any]:
     if state is None or not state.is_completed():
         raise RuntimeError(f"training deployment {config.training.deployment!r} for step {step} ended "
                            f"{getattr(state, 'name', 'without a state')}")
-    return get_runtime(config).store.get_json(step, policy_store.TRAINING_RESULT)
+    result = training_result(get_runtime(config).store, step)
+    if result is None:
+        raise RuntimeError(f"training deployment {config.training.deployment!r} completed step {step} "
+                           "without writing its training result")
+    return result
 
 
 @task(name="train", cache_key_fn=cache_key_fn("training"), retries=2, retry_delay_seconds=[10, 60],

@@ -12,7 +12,7 @@ import pytest
 
 def _is_rollout(body: dict, model: str) -> bool:
     """A chat request for `model` that is a rollout (not a publish probe)."""
-    from backends.policy.store import PROBE_USER
+    from backends.policy.probe import PROBE_USER
 
     return body.get("model") == model and body.get("user") != PROBE_USER
 

@@ -4,8 +4,9 @@
 (the same layout the Prefect flow writes), starts one embedded server per base model, creates the
 step-0 adapter if the run is new, and resumes the latest committed step otherwise: the trainer loads
 that checkpoint and the server hot-loads its adapter as ``<name>@<step>`` (a bare ``<name>`` then
-means that latest step). ``model.train(groups)`` runs one GRPO update through
-``backends.policy.store`` (store groups, train, checkpoint, publish with probe) and commits the step.
+means that latest step). ``model.train(groups)`` runs one GRPO update and publishes it through
+``backends.policy`` (store groups, train, checkpoint, publish with probe: the flow's path) and commits
+the step.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 from agents.group_metrics import merge_step_metrics, summarize
 from agents.model import Model, TrainableModel, TrainConfig, TrainResult
 from agents.trajectory import TrajectoryGroup
+from backends.modeling.devices import resolve_device
+from backends.policy.checkpoints import initialize, load_checkpoint, train_step
+from backends.policy.publish import publish_step
+from storage.layout import logged_split
 from storage.store import RunStore
-
-from backends.policy import store as policy_store
 
 log = logging.getLogger("trajflow")
 
@@ -47,19 +50,12 @@ class LocalBackend:
         self._runs: dict[str, _RunState] = {}
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
     def _server(self, base_model: str):
         if base_model not in self._servers:
             from backends.serving.app import start_server
 
             self._servers[base_model] = start_server(model=base_model, host=self.host, port=self.port,
-                                                     api_key=self.api_key, device=self._device(),
+                                                     api_key=self.api_key, device=resolve_device(self.device),
                                                      max_loras=self.max_loras)
         return self._servers[base_model]
 
@@ -75,18 +71,11 @@ class LocalBackend:
         from backends.serving.inference_client import InferenceClient
 
         server = self._server(model.base_model)
-        training = state.store.get_json(step, policy_store.TRAINING_RESULT) \
-            if state.store.exists(step, policy_store.TRAINING_RESULT) else {}
-        adapter = await asyncio.to_thread(policy_store.local_adapter, state.store, step, training.get("adapter"),
-                                          model.project, model.name)
-        record = training.get(policy_store.PROBE_RECORD)  # absent only in steps written before records existed
-        messages = policy_store.probe_messages(state.store, step) if record is None else None
         client = policy_client(server.base_url, api_key=self.api_key)
         try:
-            return await policy_store.publish(
-                InferenceClient(server.base_url, api_key=self.api_key), client, model.get_inference_name(step),
-                None, adapter, messages, seed=1234 + step, trainer=state.trainer, tolerance=self.probe_tolerance,
-                record=record)
+            return await publish_step(state.store, InferenceClient(server.base_url, api_key=self.api_key), client,
+                                      model.project, model.name, step, trainer=lambda: state.trainer,
+                                      tolerance=self.probe_tolerance)
         finally:
             await client.close()
 
@@ -107,16 +96,16 @@ class LocalBackend:
                   "storage": self.storage, "trainer": config.model_dump(mode="json")}
         store.write_run_config(record)
         server = self._server(model.base_model)
-        trainer = await asyncio.to_thread(GRPOTrainer, model.base_model, config, self._device())
+        trainer = await asyncio.to_thread(GRPOTrainer, model.base_model, config, resolve_device(self.device))
         state = self._runs[f"{model.project}/{model.name}"] = _RunState(store, trainer)
         latest = store.latest_step()
         if latest is None:
-            await asyncio.to_thread(policy_store.save_checkpoint, store, 0, trainer, {})
+            await asyncio.to_thread(initialize, store, lambda: trainer)
             latest = 0
             metrics = await self._publish(model, state, 0)
             store.commit(0, metrics, extra={"policy": model.get_inference_name(0)})
         else:
-            await asyncio.to_thread(policy_store.load_checkpoint, store, latest, trainer)
+            await asyncio.to_thread(load_checkpoint, store, latest, trainer)
             await self._publish(model, state, latest)
         model.inference_base_url = server.base_url
         model.inference_api_key = self.api_key
@@ -132,7 +121,7 @@ class LocalBackend:
             overrides = config.model_dump(exclude_none=True)
             if overrides:
                 state.trainer.update_config(**overrides)
-            result = await asyncio.to_thread(policy_store.train_step, state.store, step, state.trainer, groups)
+            result = await asyncio.to_thread(train_step, state.store, step, state.trainer, groups)
             metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))
             state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
@@ -143,7 +132,7 @@ class LocalBackend:
         if isinstance(model, TrainableModel):
             state = self._state(model)
             step = state.store.latest_step() or 0
-            await asyncio.to_thread(state.store.write_groups, step, f"logs/{split}.parquet", groups)
+            await asyncio.to_thread(state.store.write_groups, step, logged_split(split), groups)
             state.store.amend_metrics(step, metrics)
         return metrics
 

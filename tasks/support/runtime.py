@@ -12,21 +12,13 @@ import os
 import threading
 
 from agents.client import policy_client
-from backends.policy import store as policy_store
+from backends.modeling.devices import resolve_device
+from backends.policy.checkpoints import load_checkpoint
 from storage.store import RunStore
 
 from tasks.run_config import RunConfig
 
 log = logging.getLogger("trajflow")
-
-
-def resolve_device(device: str) -> str:
-    """auto -> cuda when available, else cpu."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Runtime:
@@ -100,7 +92,7 @@ class Runtime:
                                             device=resolve_device(self.config.training.device))
                 self._trainer_step = None
             if self._trainer_step != step:
-                policy_store.load_checkpoint(self.store, step, self._trainer)
+                load_checkpoint(self.store, step, self._trainer)
                 self._trainer_step = step
             return self._trainer
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from agents.trajectory import Trajectory, TrajectoryGroup
-from backends.policy import store as policy_store
+from backends.policy.probe import PROBE_TOKENS
+from storage.layout import SCORED, TRAINING_RESULT
 from tasks.publish import publish_policy_fn
 from tasks.run_config import load_config
 from tasks.support.runtime import close_runtime, get_runtime
@@ -46,15 +47,15 @@ def test_deployment_mode_publish_checks_the_workers_probe_record(prefect_api, tm
         training = initialize_policy_fn(config)
         assert training["probe"]["source"] == "probe-messages"
         zero = publish_policy_fn(config, 0, training)["metrics"]
-        assert set(STRONG) <= set(zero) and zero["publish/probe_common_prefix"] == policy_store.PROBE_TOKENS
+        assert set(STRONG) <= set(zero) and zero["publish/probe_common_prefix"] == PROBE_TOKENS
         rt = get_runtime(config)
-        rt.store.write_groups(1, policy_store.SCORED, asyncio.run(_scored_groups(rt, config.policy(0))))
+        rt.store.write_groups(1, SCORED, asyncio.run(_scored_groups(rt, config.policy(0))))
         result = train_step(config, 1)  # the GPU-side flow, here in this process
         assert result["probe"]["source"] == "trained-turn" and result["metrics"]["train/probe_shift"] > 0.05
-        one = publish_policy_fn(config, 1, rt.store.get_json(1, policy_store.TRAINING_RESULT))["metrics"]
+        one = publish_policy_fn(config, 1, rt.store.get_json(1, TRAINING_RESULT))["metrics"]
         assert one["publish/probe_max_abs_diff"] < 1e-3 and one["publish/probe_tolerance"] == 0.05
         # a training.json written before probe records existed: the old remote check (answers must change)
-        old = {k: v for k, v in rt.store.get_json(1, policy_store.TRAINING_RESULT).items() if k != "probe"}
+        old = {k: v for k, v in rt.store.get_json(1, TRAINING_RESULT).items() if k != "probe"}
         weak = publish_policy_fn(config, 1, old)["metrics"]
         assert weak == {"publish/probe_changed": 1.0}
     finally:

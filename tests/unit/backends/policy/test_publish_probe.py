@@ -13,9 +13,11 @@ import torch
 
 from agents.client import policy_client
 from agents.trajectory import Trajectory, TrajectoryGroup
-from backends.policy import store as policy_store
+from backends.policy import checkpoints, probe
+from backends.policy.probe import PROBE_MESSAGES, StaleAdapterError, probe_tolerance
+from backends.policy.publish import local_adapter, publish
 from backends.serving.inference_client import InferenceClient
-from backends.policy.store import PROBE_MESSAGES, StaleAdapterError, probe_tolerance, publish
+from storage.layout import TRAINING_RESULT
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer
 from storage.store import RunStore
@@ -67,7 +69,7 @@ async def _groups(client, model: str, rewards) -> list[TrajectoryGroup]:
 
 
 def _adapter(store: RunStore, step: int) -> Path:
-    return policy_store.local_adapter(store, step, store.get_json(step, policy_store.TRAINING_RESULT)["adapter"],
+    return local_adapter(store, step, store.get_json(step, TRAINING_RESULT)["adapter"],
                                       store.project, store.run)
 
 
@@ -79,19 +81,19 @@ async def test_training_json_carries_a_probe_record_that_a_publisher_without_tra
     client = policy_client(tiny_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
     try:
         # step 0 (initialize): PROBE_MESSAGES rendered exactly as the server renders that chat request
-        zero = policy_store.save_checkpoint(store, 0, trainer, {})["probe"]
+        zero = checkpoints.save_checkpoint(store, 0, trainer, {})["probe"]
         served = await client.chat.completions.create(model="tiny-random", messages=PROBE_MESSAGES, max_tokens=1)
         assert zero["source"] == "probe-messages" and zero["prompt_token_ids"] == served.prompt_token_ids
-        assert len(zero["token_ids"]) == policy_store.PROBE_TOKENS and zero["dtype"] == "float32"
+        assert len(zero["token_ids"]) == probe.PROBE_TOKENS and zero["dtype"] == "float32"
         metrics = await publish(inference, client, "rec@0", None, _adapter(store, 0), PROBE_MESSAGES, seed=1,
                                 record=zero)
-        assert metrics["publish/probe_common_prefix"] == policy_store.PROBE_TOKENS
+        assert metrics["publish/probe_common_prefix"] == probe.PROBE_TOKENS
         assert metrics["publish/probe_max_abs_diff"] < 1e-3 and metrics["publish/probe_tolerance"] == 0.05
 
         # step 1: a real update on the server's rollouts; the record continues the shortest trained prompt
         groups = await _groups(client, "rec@0", [0.0, 1.0, 0.0, 1.0])
-        result = policy_store.train_step(store, 1, trainer, groups)
-        assert store.get_json(1, policy_store.TRAINING_RESULT)["probe"] == result["probe"]
+        result = checkpoints.train_step(store, 1, trainer, groups)
+        assert store.get_json(1, TRAINING_RESULT)["probe"] == result["probe"]
         one = result["probe"]
         assert one["source"] == "trained-turn"
         assert one["prompt_token_ids"] == min((t.prompt_token_ids for g in groups for tr in g.trajectories
@@ -108,7 +110,7 @@ async def test_training_json_carries_a_probe_record_that_a_publisher_without_tra
 
         # step 2: equal rewards, so no optimizer step (shift ~0: the old remote check would not look at all);
         # some other adapter served under the new name is still refused
-        result = policy_store.train_step(store, 2, trainer, await _groups(client, "rec@1", [1.0, 1.0, 1.0]))
+        result = checkpoints.train_step(store, 2, trainer, await _groups(client, "rec@1", [1.0, 1.0, 1.0]))
         assert result["metrics"]["train/no_trainable_rows"] == 1.0 and result["metrics"]["train/probe_shift"] < 1e-3
         with pytest.raises(StaleAdapterError, match=r"tolerance 0.05"):
             await publish(inference, client, "rec@2-other", None, random_adapter[0], PROBE_MESSAGES, seed=1,
@@ -128,12 +130,12 @@ async def test_training_json_carries_a_probe_record_that_a_publisher_without_tra
 def test_a_greedy_flip_compares_the_prefix_and_the_first_differing_position():
     record = {"token_ids": [5, 6, 7, 8], "logprobs": [-0.1, -0.2, -0.3, -0.4], "dtype": "bfloat16"}
     # same tokens: all positions compared
-    diffs, same = policy_store.compare_with_record(record, [5, 6, 7, 8], [-0.1, -0.25, -0.3, -0.4], [{}] * 4)
+    diffs, same = probe.compare_with_record(record, [5, 6, 7, 8], [-0.1, -0.25, -0.3, -0.4], [{}] * 4)
     assert same == 4 and diffs == pytest.approx([0, 0.05, 0, 0])
     # a near-tie flip at position 2: positions 0-2 compared (max vs max at 2), plus the server's logprob of the
     # trainer's token there; what follows has another context and is not compared
-    diffs, same = policy_store.compare_with_record(record, [5, 6, 9, 1], [-0.1, -0.2, -0.29, -9.0],
+    diffs, same = probe.compare_with_record(record, [5, 6, 9, 1], [-0.1, -0.2, -0.29, -9.0],
                                                    [{}, {}, {9: -0.29, 7: -0.31}, {}])
     assert same == 2 and diffs == pytest.approx([0, 0, 0.01, 0.01])
-    diffs, same = policy_store.compare_with_record(record, [3], [-2.5], [{3: -2.5}])
+    diffs, same = probe.compare_with_record(record, [3], [-2.5], [{3: -2.5}])
     assert same == 0 and diffs == pytest.approx([2.4])

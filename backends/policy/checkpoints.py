@@ -1,0 +1,98 @@
+"""A policy's checkpoints in a run's storage: step 0, one GRPO update per step, and loading a step back.
+
+Per step (names in storage/layout.py): ``adapter/`` (peft safetensors), ``trainer/`` (optimizer, RNG,
+scheduler), then ``training.json`` (metrics, adapter hashes, probe record), written last: its presence
+means the update is finished, so every function here is idempotent once it exists. Step 0 is the seeded
+initial adapter (LoRA B = 0, i.e. the base model). ``scored.parquet`` is what the step trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agents.trajectory import TrajectoryGroup
+from backends.policy.probe import PROBE_RECORD, probe_prompt_ids, probe_record
+from storage.layout import ADAPTER_DIR, SCORED, TRAINER_STATE_DIR, TRAINING_RESULT
+
+log = logging.getLogger("trajflow")
+
+
+def training_result(store, step: int) -> dict[str, Any] | None:
+    """The finished update of `step` (``training.json``), or None while it is not finished."""
+    return store.get_json(step, TRAINING_RESULT) if store.exists(step, TRAINING_RESULT) else None
+
+
+def save_checkpoint(store, step: int, trainer, metrics: dict[str, float],
+                    probe_prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """Upload the trainer's checkpoint as step `step`, then training.json (the 'finished' mark) with the probe
+    record continuing `probe_prompt_ids` (None: the rendered probe messages)."""
+    with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
+        trainer.save_checkpoint(tmp)
+        hashes = store.upload_folder(step, ADAPTER_DIR, Path(tmp) / ADAPTER_DIR)
+        store.upload_folder(step, TRAINER_STATE_DIR, Path(tmp) / TRAINER_STATE_DIR)
+    started = time.perf_counter()
+    record = probe_record(trainer, probe_prompt_ids)
+    metrics = {**metrics, "train/probe_record_s": time.perf_counter() - started}
+    result = {"step": step, "metrics": metrics, "adapter": hashes, PROBE_RECORD: record}
+    store.put_json(step, TRAINING_RESULT, result)
+    return result
+
+
+def initialize(store, make_trainer: Callable[[], Any]) -> dict[str, Any]:
+    """Step 0: the seeded initial adapter and optimizer state; `make_trainer()` is called only when it is missing."""
+    return training_result(store, 0) or save_checkpoint(store, 0, make_trainer(), {})
+
+
+def load_checkpoint(store, step: int, trainer) -> None:
+    """Put the trainer exactly in the state checkpointed at `step`."""
+    with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
+        store.download_folder(step, ADAPTER_DIR, Path(tmp) / ADAPTER_DIR)
+        store.download_folder(step, TRAINER_STATE_DIR, Path(tmp) / TRAINER_STATE_DIR)
+        trainer.load_checkpoint(tmp)
+
+
+def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None = None,
+               after_update: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One GRPO update from checkpoint step-1 to `step`; returns the stored result if it already finished.
+
+    `groups` default to the step's stored ``scored.parquet``; given, they are stored there first.
+    `after_update(step)` runs between the update and the upload (crash-point hook for tests).
+    """
+    finished = training_result(store, step)
+    if finished is not None:
+        return finished
+    if groups is None:
+        groups = store.read_groups(step, SCORED)
+    else:
+        store.write_groups(step, SCORED, groups)
+    started = time.perf_counter()
+    raw = trainer.train_step(groups)
+    update_s = time.perf_counter() - started
+    if after_update is not None:
+        after_update(step)
+    metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
+    metrics["train/update_s"] = update_s
+    metrics["train/probe_shift"] = policy_shift(trainer, groups)
+    result = save_checkpoint(store, step, trainer, metrics, probe_prompt_ids(groups))
+    log.info("step %d trained: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())[:8]))
+    return result
+
+
+def policy_shift(trainer, groups: list[TrajectoryGroup]) -> float:
+    """Max |log pi_new - log pi_sampler| over the first trainable turn: how far this update moved the policy.
+
+    A publisher without a probe record or a trainer uses it to know whether the new policy must answer
+    differently from the old one.
+    """
+    for group in groups:
+        for traj in group.trajectories:
+            for turn in traj.sampled_turns():
+                if turn.trainable and not traj.error:
+                    new = trainer.sequence_logprobs(turn.prompt_token_ids, turn.token_ids)
+                    return max(abs(a - b) for a, b in zip(new, turn.logprobs))
+    return 0.0
