@@ -81,8 +81,10 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
                 assert m["publish/probe_max_abs_diff"] <= m["publish/probe_tolerance"] == 0.05
             assert await model.get_step() == NUM_STEPS
             # model=model.name is the latest step; model@1 is pinned
-            served = (await model.openai_client().models.list()).data
-            assert {f"agent-001@{NUM_STEPS}"} <= {m.id for m in served}
+            served = {m.id for m in (await model.openai_client().models.list()).data}
+            # the flow's publish path: the last two steps stay served, older ones are unloaded
+            assert {f"agent-001@{NUM_STEPS}", f"agent-001@{NUM_STEPS - 1}"} <= served
+            assert not {f"agent-001@{s}" for s in range(NUM_STEPS - 1)} & served
             traj = await rollout(model, SCENARIOS[0])
             assert traj.messages_and_choices[-1].policy in ("agent-001", f"agent-001@{NUM_STEPS}")
             metrics = await model.log([await TrajectoryGroup(rollout(model, s) for _ in range(2))
