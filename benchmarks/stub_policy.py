@@ -1,7 +1,8 @@
 """An instant OpenAI-compatible policy for measuring orchestration overhead (no model, no GPU).
 
 A raw ASGI app on uvicorn (asyncio, no per-request threads) answers every chat completion at once with
-a fixed short answer, made-up token ids and logprobs in the dialect's fields, loads/unloads any adapter
+a fixed short answer, made-up token ids and logprobs in the dialect's fields, answers text completions
+(the publish probe's token-id prompts) the same way in the completions format, loads/unloads any adapter
 name, and counts requests. Used by ``benchmarks/orchestration.py`` so that a step's time is all
 orchestration and storage.
 """
@@ -42,6 +43,8 @@ class StubPolicyServer:
         prompt_ids = list(range(1, 20))
         n, seed = int(body.get("n") or 1), int(body.get("seed") or 0)
         k = min(self.tokens, int(body.get("max_tokens") or self.tokens))
+        if not path.endswith("/chat/completions"):
+            return self._text_completion(body, k)
         choices = [{
             "index": i, "finish_reason": "stop",
             "message": {"role": "assistant", "content": self.answer},
@@ -53,6 +56,16 @@ class StubPolicyServer:
                 "prompt_token_ids": prompt_ids, "choices": choices,
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": k * n,
                           "total_tokens": len(prompt_ids) + k * n}}
+
+    def _text_completion(self, body: dict, k: int) -> dict:
+        """``/v1/completions`` in the completions format: made-up tokens, each with logprob -0.5."""
+        ids = [(j % 400) + 3 for j in range(k)]
+        top = [{f"token_id:{i}": -0.5} for i in ids]
+        return {"id": "stub", "object": "text_completion", "created": int(time.time()), "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "length", "text": self.answer, "token_ids": ids,
+                             "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * k,
+                                          "top_logprobs": top, "text_offset": list(range(k))}}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": k, "total_tokens": k}}
 
     async def _app(self, scope, receive, send):
         if scope["type"] != "http":
