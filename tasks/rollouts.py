@@ -8,7 +8,8 @@
   most the groups in flight.
 - Sampling is reproducible: every call's seed derives from (run, step, scenario, index).
 - Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors;
-  when every failure is a connection-type error, the failure is transient and retried.
+  when every failure's type is a transient one (``tasks.support.retry_policy``: connection loss,
+  timeouts of the client, 5xx), the failure is transient and retried.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.progress import Progress
-from tasks.support.retry_policy import TransientError, retry_condition
+from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
 from tasks.run_config import RunConfig
 from tasks.support.tracing import get_tracer
 from tasks.support.runtime import Runtime, get_runtime
@@ -135,9 +136,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         first = "\n".join(f"- {e.type}: {e.message}" for e in failures[:5])
         message = (f"{len(failures)} of {total} rollouts failed (limit {config.rollouts.max_failure_fraction:.0%} "
                    f"of {total}); first errors:\n{first}")
-        transient_types = {"APIConnectionError", "APITimeoutError", "ConnectError", "ConnectionError",
-                           "InternalServerError"}
-        if all(e.type in transient_types for e in failures):
+        if all(is_transient_type_name(e.type) for e in failures):
             raise TransientError(message)
         raise RolloutFailures(message)
     return {
