@@ -8,8 +8,6 @@ Results: a table and a bar chart as Prefect artifacts, and ``evaluations/<timest
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import time
 from typing import Any
 
@@ -18,9 +16,11 @@ from prefect import flow
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
+from tasks.support.reporting import chart_png, png_markdown
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
+
 
 def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
     """Turn a --policy argument into {label, kind, model, step?, url?}."""
@@ -40,21 +40,16 @@ def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
 
 
 def _bar_chart(results: list[dict[str, Any]]) -> bytes:
-    import matplotlib
+    """Mean validation reward per policy, one bar each, as a PNG."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(ax) -> None:
+        ax.bar([r["policy"] for r in results], [r["val/reward"] for r in results], color="#4a7fb5")
+        ax.set_ylabel("mean validation reward")
+        ax.set_title("evaluation")
+        for label in ax.get_xticklabels():
+            label.set(rotation=20, ha="right")
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(results)), 3.5), dpi=100)
-    ax.bar([r["policy"] for r in results], [r["val/reward"] for r in results], color="#4a7fb5")
-    ax.set_ylabel("mean validation reward")
-    ax.set_title("evaluation")
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return chart_png(draw, figsize=(max(4, 1.2 * len(results)), 3.5))
 
 
 async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -> dict[str, Any]:
@@ -100,8 +95,7 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
 
             create_table_artifact([{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
                                    for r in results], description="validation reward per policy")
-            create_markdown_artifact(f"![evaluation](data:image/png;base64,{base64.b64encode(png).decode()})",
-                                     description="validation reward per policy")
+            create_markdown_artifact(png_markdown("evaluation", png), description="validation reward per policy")
         except Exception:  # noqa: BLE001 - artifacts are a view only
             pass
         return results
