@@ -93,20 +93,17 @@ async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step:
     return group
 
 
-_SAME = object()
-
-
 async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
-                     group_size: int, label: str, storage_step: Any = _SAME) -> dict[str, Any]:
+                     group_size: int, label: str, *, storage_step: int | None) -> dict[str, Any]:
     """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed.
 
-    `step` seeds the rollouts; groups are stored under `prefix` in the folder of `storage_step`
-    (default: the same step; None: the run level, for evaluations outside the step sequence).
+    `step` seeds the rollouts (evaluations pass 0, so every policy answers the same draws); the groups
+    are stored under `prefix` in the folder of step `storage_step`, or at the run level when it is
+    None (evaluations outside the step sequence).
     """
     rt = get_runtime(config)
     store = rt.store
-    at = step if storage_step is _SAME else storage_step
-    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(at, group_path(prefix, i))]
+    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(storage_step, group_path(prefix, i))]
     reused = len(scenarios) - len(todo)
     if reused:
         log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
@@ -119,7 +116,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
-        await asyncio.to_thread(store.write_groups, at, group_path(prefix, i), [group])
+        await asyncio.to_thread(store.write_groups, storage_step, group_path(prefix, i), [group])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
@@ -160,7 +157,7 @@ def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> 
     """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
     policy = config.policy(step - 1)
     return asyncio.run(run_groups(config, step, scenarios, policy, "groups", config.group_size,
-                                  f"rollouts step {step} ({policy})"))
+                                  f"rollouts step {step} ({policy})", storage_step=step))
 
 
 @task(name="rollouts", cache_key_fn=cache_key_fn("rollouts"), retries=3, retry_delay_seconds=[2, 10, 30],
