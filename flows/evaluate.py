@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow
 
+from storage.layout import evaluation_dir, evaluation_file, scored_file
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
@@ -63,10 +64,10 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
         await rt.inference_client().load_adapter(policy["label"], str(adapter))
         model = policy["label"]
     scenarios = val_scenarios(config)
-    area = f"evaluations/{stamp}/{policy['label'].replace('@', '-').replace('/', '_')}"
+    area = evaluation_dir(stamp, policy["label"])
     rollouts = await run_groups(config, 0, scenarios, model, area, 1, f"eval {policy['label']}", storage_step=None)
     scored = await asyncio.to_thread(score_groups_fn, config, None, scenarios, rollouts,
-                                     out=f"{area}/scored.parquet", prefix="val", use_judge=False)
+                                     out=scored_file(area), prefix="val", use_judge=False)
     return {"policy": policy["label"], **scored["metrics"]}
 
 
@@ -87,9 +88,9 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
                 results.append(asyncio.run(_evaluate_one(config, policy, stamp)))
             print(f"{results[-1]['policy']}: val/reward={results[-1]['val/reward']:.4f}")
         store = get_runtime(config).store
-        store.put_json(None, f"evaluations/{stamp}.json", results)
+        store.put_json(None, evaluation_file(stamp, "json"), results)
         png = _bar_chart(results)
-        store.put_bytes(None, f"evaluations/{stamp}.png", png)
+        store.put_bytes(None, evaluation_file(stamp, "png"), png)
         try:
             from prefect.artifacts import create_markdown_artifact, create_table_artifact
 

@@ -24,6 +24,7 @@ from prefect import task
 from agents.client import rollout_context, rollout_seed_material
 from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
+from storage.layout import GROUPS_DIR, group_file
 
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
@@ -42,10 +43,6 @@ class RolloutFailures(RuntimeError):
 
 class RolloutTimeout(TimeoutError):
     """One rollout ran past its deadline."""
-
-
-def group_path(prefix: str, index: int) -> str:
-    return f"{prefix}/{index:04d}.parquet"
 
 
 async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, step: int, index: int,
@@ -103,7 +100,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     """
     rt = get_runtime(config)
     store = rt.store
-    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(storage_step, group_path(prefix, i))]
+    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(storage_step, group_file(prefix, i))]
     reused = len(scenarios) - len(todo)
     if reused:
         log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
@@ -116,7 +113,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
-        await asyncio.to_thread(store.write_groups, storage_step, group_path(prefix, i), [group])
+        await asyncio.to_thread(store.write_groups, storage_step, group_file(prefix, i), [group])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
@@ -137,7 +134,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
             raise TransientError(message)
         raise RolloutFailures(message)
     return {
-        "paths": [group_path(prefix, i) for i in range(len(scenarios))],
+        "paths": [group_file(prefix, i) for i in range(len(scenarios))],
         "ran_groups": len(todo),
         "reused_groups": reused,
         "failed_rollouts": len(failures),
@@ -156,7 +153,7 @@ def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[Trajecto
 def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
     """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
     policy = config.policy(step - 1)
-    return asyncio.run(run_groups(config, step, scenarios, policy, "groups", config.group_size,
+    return asyncio.run(run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
                                   f"rollouts step {step} ({policy})", storage_step=step))
 
 

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from storage.layout import REWARD_CURVE
+
 log = logging.getLogger("trajflow")
 
 CURVE_KEYS = ("train/reward", "val/reward")
@@ -78,12 +80,12 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def publish_run_artifacts(store, run: str) -> None:
-    """Store reward_curve.png at run level; add table + curve artifacts when inside a Prefect run."""
+    """Store the reward curve at run level; add table + curve artifacts when inside a Prefect run."""
     history = step_history(store)
     if not history:
         return
     png = reward_curve_png(history, f"{run}: reward per step")
-    store.put_bytes(None, "reward_curve.png", png)
+    store.put_bytes(None, REWARD_CURVE, png)
     try:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
         from prefect.context import FlowRunContext
