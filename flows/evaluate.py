@@ -8,19 +8,20 @@ Results: a table and a bar chart as Prefect artifacts, and ``evaluations/<timest
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import time
 from typing import Any
 
 from prefect import flow
 
+from storage.layout import evaluation_dir, evaluation_file, scored_file
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
+from tasks.support.reporting import chart_png, png_markdown
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
+
 
 def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
     """Turn a --policy argument into {label, kind, model, step?, url?}."""
@@ -40,21 +41,16 @@ def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
 
 
 def _bar_chart(results: list[dict[str, Any]]) -> bytes:
-    import matplotlib
+    """Mean validation reward per policy, one bar each, as a PNG."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(ax) -> None:
+        ax.bar([r["policy"] for r in results], [r["val/reward"] for r in results], color="#4a7fb5")
+        ax.set_ylabel("mean validation reward")
+        ax.set_title("evaluation")
+        for label in ax.get_xticklabels():
+            label.set(rotation=20, ha="right")
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(results)), 3.5), dpi=100)
-    ax.bar([r["policy"] for r in results], [r["val/reward"] for r in results], color="#4a7fb5")
-    ax.set_ylabel("mean validation reward")
-    ax.set_title("evaluation")
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return chart_png(draw, figsize=(max(4, 1.2 * len(results)), 3.5))
 
 
 async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -> dict[str, Any]:
@@ -68,10 +64,10 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
         await rt.inference_client().load_adapter(policy["label"], str(adapter))
         model = policy["label"]
     scenarios = val_scenarios(config)
-    area = f"evaluations/{stamp}/{policy['label'].replace('@', '-').replace('/', '_')}"
+    area = evaluation_dir(stamp, policy["label"])
     rollouts = await run_groups(config, 0, scenarios, model, area, 1, f"eval {policy['label']}", storage_step=None)
     scored = await asyncio.to_thread(score_groups_fn, config, None, scenarios, rollouts,
-                                     out=f"{area}/scored.parquet", prefix="val", use_judge=False)
+                                     out=scored_file(area), prefix="val", use_judge=False)
     return {"policy": policy["label"], **scored["metrics"]}
 
 
@@ -92,16 +88,15 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
                 results.append(asyncio.run(_evaluate_one(config, policy, stamp)))
             print(f"{results[-1]['policy']}: val/reward={results[-1]['val/reward']:.4f}")
         store = get_runtime(config).store
-        store.put_json(None, f"evaluations/{stamp}.json", results)
+        store.put_json(None, evaluation_file(stamp, "json"), results)
         png = _bar_chart(results)
-        store.put_bytes(None, f"evaluations/{stamp}.png", png)
+        store.put_bytes(None, evaluation_file(stamp, "png"), png)
         try:
             from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
             create_table_artifact([{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
                                    for r in results], description="validation reward per policy")
-            create_markdown_artifact(f"![evaluation](data:image/png;base64,{base64.b64encode(png).decode()})",
-                                     description="validation reward per policy")
+            create_markdown_artifact(png_markdown("evaluation", png), description="validation reward per policy")
         except Exception:  # noqa: BLE001 - artifacts are a view only
             pass
         return results

@@ -16,6 +16,7 @@
 <root>/<project>/<run>/judge-cache/<hash>.json           judge verdicts by content hash
 <root>/<project>/<run>/evaluations/<stamp>/...           `trajflow eval` rollouts; <stamp>.json, <stamp>.png
 <root>/<project>/<run>/prefect-results/                  Prefect's cache records for the run's tasks
+<root>/<project>/<run>/reward_curve.png                  train and validation reward per committed step
 ```
 A trainer checkpoint folder on local disk has the same ``adapter/`` and ``trainer/`` as a step.
 Step numbers have five digits (00000-99999).
@@ -50,6 +51,7 @@ LOGS_DIR = "logs"
 JUDGE_CACHE_DIR = "judge-cache"
 EVALUATIONS_DIR = "evaluations"
 PREFECT_RESULTS_DIR = "prefect-results"
+REWARD_CURVE = "reward_curve.png"
 
 
 def group_file(prefix: str, index: int) -> str:

@@ -22,7 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 from storage.errors import AlreadyExistsError, CorruptManifestError, HashMismatchError, NotFoundError, StorageError
 from storage.fs import Location, normalize_root, sha256_bytes, sha256_local
-from storage.layout import MANIFEST, RUN_CONFIG, STEPS_DIR, check_step, file_rel, manifest_rel, parse_step_dir, step_dir
+from storage.layout import (
+    ADAPTER_DIR,
+    MANIFEST,
+    RUN_CONFIG,
+    STEPS_DIR,
+    TRAINER_STATE_DIR,
+    check_step,
+    file_rel,
+    manifest_rel,
+    parse_step_dir,
+    step_dir,
+)
 from storage.manifest import FileEntry, StepManifest, check_extra, check_metrics, now_iso, parse_manifest, trajflow_version
 from storage.names import InvalidNameError, safe_prefix, safe_relpath, validate_name
 from storage.retention import steps_to_keep
@@ -392,7 +403,7 @@ class RunStore:
         keep_last: int,
         best_metric: str | None = None,
         mode: str = "max",
-        prune: tuple[str, ...] = ("adapter/", "trainer/"),
+        prune: tuple[str, ...] = (f"{ADAPTER_DIR}/", f"{TRAINER_STATE_DIR}/"),
     ) -> list[int]:
         """Prune heavy files of old committed steps (policy: :mod:`storage.retention`); return pruned steps.
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from prefect import task
 
+from storage.layout import EVAL_GROUPS_DIR, EVAL_SCORED
+
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
 from tasks.rollouts import run_groups
@@ -20,15 +22,13 @@ from tasks.run_config import RunConfig
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
 
-EVAL_SCORED = "eval.parquet"
-
 
 def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) -> dict[str, float]:
     """Evaluate `policy` (default: the run's policy after `step` updates); stored in step `step`'s folder."""
     policy = policy or config.policy(step)
     scenarios = val_scenarios(config)
-    rollouts = asyncio.run(run_groups(config, 0, scenarios, policy, "eval", 1, f"eval step {step} ({policy})",
-                                      storage_step=step))
+    rollouts = asyncio.run(run_groups(config, 0, scenarios, policy, EVAL_GROUPS_DIR, 1,
+                                      f"eval step {step} ({policy})", storage_step=step))
     scored = score_groups_fn(config, step, scenarios, rollouts, out=EVAL_SCORED, prefix="val", use_judge=False)
     return scored["metrics"]
 

@@ -8,7 +8,8 @@
   most the groups in flight.
 - Sampling is reproducible: every call's seed derives from (run, step, scenario, index).
 - Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors;
-  when every failure is a connection-type error, the failure is transient and retried.
+  when every failure's type is a transient one (``tasks.support.retry_policy``: connection loss,
+  timeouts of the client, 5xx), the failure is transient and retried.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from prefect import task
 from agents.client import rollout_context, rollout_seed_material
 from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
+from storage.layout import GROUPS_DIR, group_file
 
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.progress import Progress
-from tasks.support.retry_policy import TransientError, retry_condition
+from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
 from tasks.run_config import RunConfig
 from tasks.support.tracing import get_tracer
 from tasks.support.runtime import Runtime, get_runtime
@@ -41,10 +43,6 @@ class RolloutFailures(RuntimeError):
 
 class RolloutTimeout(TimeoutError):
     """One rollout ran past its deadline."""
-
-
-def group_path(prefix: str, index: int) -> str:
-    return f"{prefix}/{index:04d}.parquet"
 
 
 async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, step: int, index: int,
@@ -92,20 +90,17 @@ async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step:
     return group
 
 
-_SAME = object()
-
-
 async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
-                     group_size: int, label: str, storage_step: Any = _SAME) -> dict[str, Any]:
+                     group_size: int, label: str, *, storage_step: int | None) -> dict[str, Any]:
     """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed.
 
-    `step` seeds the rollouts; groups are stored under `prefix` in the folder of `storage_step`
-    (default: the same step; None: the run level, for evaluations outside the step sequence).
+    `step` seeds the rollouts (evaluations pass 0, so every policy answers the same draws); the groups
+    are stored under `prefix` in the folder of step `storage_step`, or at the run level when it is
+    None (evaluations outside the step sequence).
     """
     rt = get_runtime(config)
     store = rt.store
-    at = step if storage_step is _SAME else storage_step
-    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(at, group_path(prefix, i))]
+    todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(storage_step, group_file(prefix, i))]
     reused = len(scenarios) - len(todo)
     if reused:
         log.info("%s: %d of %d groups already stored, running %d", label, reused, len(scenarios), len(todo))
@@ -118,7 +113,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
-        await asyncio.to_thread(store.write_groups, at, group_path(prefix, i), [group])
+        await asyncio.to_thread(store.write_groups, storage_step, group_file(prefix, i), [group])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
@@ -135,13 +130,11 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         first = "\n".join(f"- {e.type}: {e.message}" for e in failures[:5])
         message = (f"{len(failures)} of {total} rollouts failed (limit {config.rollouts.max_failure_fraction:.0%} "
                    f"of {total}); first errors:\n{first}")
-        transient_types = {"APIConnectionError", "APITimeoutError", "ConnectError", "ConnectionError",
-                           "InternalServerError"}
-        if all(e.type in transient_types for e in failures):
+        if all(is_transient_type_name(e.type) for e in failures):
             raise TransientError(message)
         raise RolloutFailures(message)
     return {
-        "paths": [group_path(prefix, i) for i in range(len(scenarios))],
+        "paths": [group_file(prefix, i) for i in range(len(scenarios))],
         "ran_groups": len(todo),
         "reused_groups": reused,
         "failed_rollouts": len(failures),
@@ -160,8 +153,8 @@ def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[Trajecto
 def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
     """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
     policy = config.policy(step - 1)
-    return asyncio.run(run_groups(config, step, scenarios, policy, "groups", config.group_size,
-                                  f"rollouts step {step} ({policy})"))
+    return asyncio.run(run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
+                                  f"rollouts step {step} ({policy})", storage_step=step))
 
 
 @task(name="rollouts", cache_key_fn=cache_key_fn("rollouts"), retries=3, retry_delay_seconds=[2, 10, 30],

@@ -13,6 +13,7 @@ import random
 from prefect import task
 
 from agents.scenario import Scenario
+from storage.layout import SCENARIOS
 
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
@@ -42,7 +43,7 @@ def sample_scenarios_fn(config: RunConfig, step: int) -> list[Scenario]:
     rt = get_runtime(config)
     pool = rt.agent.scenarios("train", seed=config.seed)
     picked = pick_train_scenarios(pool, config.seed, step, config.groups_per_step)
-    rt.store.put_json(step, "scenarios.json", [s.model_dump(mode="json") for s in picked])
+    rt.store.put_json(step, SCENARIOS, [s.model_dump(mode="json") for s in picked])
     return picked
 
 

@@ -20,8 +20,9 @@ from agents.group_metrics import summarize
 from agents.rewards import set_reward
 from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
-
+from storage.judge_cache import StoreJudgeCache
 from storage.layout import SCORED
+
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
 from tasks.rollouts import read_groups
@@ -30,21 +31,6 @@ from tasks.support.tracing import get_tracer, rollout_trace_id
 from tasks.support.runtime import Runtime, get_runtime
 
 log = logging.getLogger("trajflow")
-
-
-
-class StoreJudgeCache:
-    """Judge cache in the run's storage: ``judge-cache/<hash>.json`` at run level."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def get(self, key: str) -> dict | None:
-        path = f"judge-cache/{key}.json"
-        return self.store.get_json(None, path) if self.store.exists(None, path) else None
-
-    def put(self, key: str, value: dict) -> None:
-        self.store.put_json(None, f"judge-cache/{key}.json", value)
 
 
 def apply_agent_reward(rt: Runtime, scenario: Scenario | None, group: TrajectoryGroup) -> None:

@@ -1,11 +1,18 @@
-"""What people look at: a per-step table and the reward curve, as files and Prefect artifacts."""
+"""What people look at: a per-step table and the reward curve, as files and Prefect artifacts.
+
+Every chart of the project (this reward curve, `trajflow eval`'s bar chart) is drawn through
+``chart_png`` and shown in a Prefect artifact through ``png_markdown``.
+"""
 
 from __future__ import annotations
 
 import base64
 import io
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from storage.layout import REWARD_CURVE
 
 log = logging.getLogger("trajflow")
 
@@ -20,29 +27,50 @@ def step_history(store) -> list[dict[str, Any]]:
     return rows
 
 
-def reward_curve_png(history: list[dict[str, Any]], title: str) -> bytes:
-    """Train (and validation, where evaluated) mean reward per step as a PNG."""
+def chart_png(draw: Callable[[Any], None], figsize: tuple[float, float]) -> bytes:
+    """A chart as PNG bytes: ``draw(ax)`` fills the axes of a fresh ``figsize``-inch figure at 100 dpi.
+
+    matplotlib's Agg backend renders without a display (flows run on headless workers); the layout is
+    tightened so labels are not cut off, and the figure is closed so a long-lived worker does not
+    keep every chart it drew.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for key, style in zip(CURVE_KEYS, ("o-", "s--")):
-        pts = [(r["step"], r[key]) for r in history if key in r]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
+    fig, ax = plt.subplots(figsize=figsize, dpi=100)
+    try:
+        draw(ax)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
     return buf.getvalue()
+
+
+def png_markdown(alt: str, png: bytes) -> str:
+    """Markdown that shows ``png`` inline (a data URL): what a Prefect markdown artifact can display."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def reward_curve_png(history: list[dict[str, Any]], title: str) -> bytes:
+    """Train (and validation, where evaluated) mean reward per step as a PNG."""
+
+    def draw(ax) -> None:
+        for key, style in zip(CURVE_KEYS, ("o-", "s--")):
+            pts = [(r["step"], r[key]) for r in history if key in r]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean reward")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+
+    return chart_png(draw, figsize=(6, 3.5))
 
 
 def format_step_line(step: int, metrics: dict[str, float]) -> str:
@@ -52,12 +80,12 @@ def format_step_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def publish_run_artifacts(store, run: str) -> None:
-    """Store reward_curve.png at run level; add table + curve artifacts when inside a Prefect run."""
+    """Store the reward curve at run level; add table + curve artifacts when inside a Prefect run."""
     history = step_history(store)
     if not history:
         return
     png = reward_curve_png(history, f"{run}: reward per step")
-    store.put_bytes(None, "reward_curve.png", png)
+    store.put_bytes(None, REWARD_CURVE, png)
     try:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
         from prefect.context import FlowRunContext
@@ -68,8 +96,7 @@ def publish_run_artifacts(store, run: str) -> None:
         table = [{"step": r["step"], **{k: round(float(r[k]), 5) for k in keys if k in r}} for r in history]
         key = "".join(c if c.isalnum() else "-" for c in run.lower())
         create_table_artifact(table, key=f"{key}-steps", description=f"{run}: metrics per committed step")
-        encoded = base64.b64encode(png).decode()
-        create_markdown_artifact(f"![reward curve](data:image/png;base64,{encoded})", key=f"{key}-reward-curve",
+        create_markdown_artifact(png_markdown("reward curve", png), key=f"{key}-reward-curve",
                                  description=f"{run}: reward per step")
     except Exception as exc:  # noqa: BLE001 - artifacts are a view; never fail a step for them
         log.warning("could not publish Prefect artifacts: %s", exc)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from storage.layout import PREFECT_RESULTS_DIR
 from tasks.run_config import RunConfig
 from tasks.support.runtime import get_runtime
 
 
 def result_storage_for(config: RunConfig):
     """A value for ``task.with_options(result_storage=...)``: a Path or a saved block's slug."""
-    url = get_runtime(config).store.url.rstrip("/") + "/prefect-results"
+    url = f"{get_runtime(config).store.url.rstrip('/')}/{PREFECT_RESULTS_DIR}"
     if "://" not in url or url.startswith("file://"):
         path = Path(url.removeprefix("file://"))
         path.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ def test_flow_uses_the_judge_from_config_and_caches_it(prefect_api, tmp_path, ti
 
     from agents.registry import get_agent
     from flows.train import train
-    from tasks.rollouts import group_path
+    from storage.layout import GROUPS_DIR, group_file
     from tasks.scenarios import pick_train_scenarios
     from tasks.scoring import score_groups_fn
     from tests.fixtures_judge import scores_json
@@ -96,7 +96,7 @@ def test_flow_uses_the_judge_from_config_and_caches_it(prefect_api, tmp_path, ti
     # re-scoring the same step (a resumed task) is served from the judge cache in storage: no request
     pool = get_agent(config.agent).scenarios("train", 0)
     scenarios = pick_train_scenarios(pool, config.seed, 1, config.groups_per_step)
-    rescored = score_groups_fn(config, 1, scenarios, {"paths": [group_path("groups", i) for i in range(2)]},
+    rescored = score_groups_fn(config, 1, scenarios, {"paths": [group_file(GROUPS_DIR, i) for i in range(2)]},
                                out="rescored.parquet")
     assert len(judge_server.chat_requests) == 2
     assert rescored["metrics"]["train/judge_cache_hit"] == 1.0

@@ -6,7 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tasks.support.retry_policy import PreemptedError, is_transient
+from agents.trajectory import RecordedException
+from tasks.support.retry_policy import TRANSIENT_TYPE_NAMES, PreemptedError, is_transient, is_transient_type_name
 
 
 def _status_error(cls, status: int):
@@ -47,3 +48,32 @@ def test_causes_are_followed():
             raise RuntimeError("upload failed") from inner
     except RuntimeError as outer:
         assert is_transient(outer)
+
+
+@pytest.mark.parametrize("exc", [
+    openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1")),
+    openai.APITimeoutError(request=httpx.Request("POST", "http://127.0.0.1")),
+    httpx.ConnectError("no route"),
+    httpx.ConnectTimeout("slow connect"),
+    httpx.ReadTimeout("slow read"),
+    httpx.ReadError("reset"),
+    httpx.RemoteProtocolError("peer closed"),
+    ConnectionError("lost"),
+])
+def test_a_recorded_failure_is_judged_by_the_same_rule(exc):
+    """A rollout's failure keeps only its type's name; the name alone says transient, as the live exception does."""
+    recorded = RecordedException.from_exception(exc)
+    assert is_transient(exc)
+    assert recorded.type in TRANSIENT_TYPE_NAMES and is_transient_type_name(recorded.type)
+
+
+@pytest.mark.parametrize("name", ["ValueError", "KeyError", "RolloutTimeout", "BadRequestError", "TypeError"])
+def test_other_names_are_not_transient(name):
+    assert not is_transient_type_name(name)
+
+
+def test_an_http_status_outranks_the_type_name():
+    """openai's InternalServerError is any 5xx: a 503 is retried, a 501 is not; recorded, the name says transient."""
+    assert is_transient(_status_error(openai.InternalServerError, 503))
+    assert not is_transient(_status_error(openai.InternalServerError, 501))
+    assert is_transient_type_name("InternalServerError")
