@@ -7,7 +7,7 @@ rewards and metrics are not part of it: the judge never sees them. The key is th
 every process and independent of dict ordering and ``PYTHONHASHSEED``.
 
 A cache is anything with ``get(key) -> dict | None`` and ``put(key, value)``; the run's storage
-backs it in the flow (``judge-cache/<key>.json``). Only successful judgments are stored.
+backs it in the flow (``storage.judge_cache.StoreJudgeCache``). Only successful judgments are stored.
 """
 
 from __future__ import annotations
