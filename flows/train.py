@@ -23,7 +23,6 @@ from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
 from backends.policy.checkpoints import training_result
-from backends.training.config import TrainerConfig
 
 from tasks.support.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
@@ -31,46 +30,13 @@ from tasks.publish import publish_policy
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.rollouts import run_rollouts
-from tasks.run_config import RunConfig, load_config
+from tasks.run_config import RunConfig, check_run_identity, load_config
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.training import initialize_policy_fn, train_policy
 
 log = logging.getLogger("trajflow")
-
-# Fields that define what a run *is*; changing them under an existing run name would mix two experiments.
-IDENTITY_FIELDS = ("agent", "agent_options", "base_model", "seed", "group_size", "groups_per_step", "trainer")
-
-
-def _differs(stored: Any, current: Any) -> bool:
-    """Stored vs current setting; a field the stored config lacks (added by a newer version) is no change."""
-    if isinstance(stored, dict) and isinstance(current, dict):
-        return any(_differs(v, current.get(k)) for k, v in stored.items() if k in current)
-    return stored != current
-
-
-def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
-    """Refuse to continue a run whose identity-defining settings changed; other trainer changes are logged.
-
-    Of the trainer, only ``TrainerConfig.IDENTITY_FIELDS`` (the adapter's shape and seed) define the run:
-    a run may go on with a new learning rate, loss or batching, e.g. on another machine.
-    """
-    if not stored:
-        return
-    current = config.model_dump(mode="json")
-    stored_trainer, current_trainer = stored.get("trainer") or {}, current["trainer"]
-    tuned = [f"{k}: {v!r} -> {current_trainer[k]!r}" for k, v in stored_trainer.items()
-             if k in current_trainer and k not in TrainerConfig.IDENTITY_FIELDS and _differs(v, current_trainer[k])]
-    if tuned:
-        log.warning("run %s/%s continues with changed trainer settings: %s", config.project, config.run,
-                    "; ".join(tuned))
-    stored = {**stored, "trainer": {k: v for k, v in stored_trainer.items() if k in TrainerConfig.IDENTITY_FIELDS}}
-    changed = [f for f in IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
-    if changed:
-        raise ValueError(
-            f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "
-            "use a new run name (--set run=...) or the original settings")
 
 
 class StageTimer:

@@ -7,8 +7,9 @@ are parsed as YAML scalars, so ``--set steps=3`` is an int and ``--set judge=nul
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +19,8 @@ from agents.model import policy_name
 from agents.rewards import RewardConfig
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
+
+log = logging.getLogger("trajflow")
 
 
 class InferenceConfig(BaseModel):
@@ -114,6 +117,11 @@ class RunConfig(BaseModel):
     retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
 
+    # What a run IS: continuing a stored run under other values would mix two experiments under one name. Of the
+    # trainer, only TrainerConfig.IDENTITY_FIELDS count (see check_run_identity).
+    IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = ("agent", "agent_options", "base_model", "seed", "group_size",
+                                                  "groups_per_step", "trainer")
+
     @field_validator("project", "run")
     @classmethod
     def _safe_names(cls, v: str, info) -> str:
@@ -122,6 +130,37 @@ class RunConfig(BaseModel):
     def policy(self, step: int) -> str:
         """The served name of the policy after `step` updates."""
         return policy_name(self.run, step)
+
+
+def _differs(stored: Any, current: Any) -> bool:
+    """Stored vs current setting; a field the stored config lacks (added by a newer version) is no change."""
+    if isinstance(stored, dict) and isinstance(current, dict):
+        return any(_differs(v, current.get(k)) for k, v in stored.items() if k in current)
+    return stored != current
+
+
+def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
+    """Refuse to continue a run whose ``RunConfig.IDENTITY_FIELDS`` changed; other trainer changes are logged.
+
+    Of the trainer, only ``TrainerConfig.IDENTITY_FIELDS`` (the adapter's shape, its seed and dropout) define the
+    run: a run may go on with a new learning rate, loss or batching, e.g. on another machine.
+    """
+    if not stored:
+        return
+    identity = TrainerConfig.IDENTITY_FIELDS
+    current = config.model_dump(mode="json")
+    stored_trainer, current_trainer = stored.get("trainer") or {}, current["trainer"]
+    tuned = [f"{k}: {v!r} -> {current_trainer[k]!r}" for k, v in stored_trainer.items()
+             if k in current_trainer and k not in identity and _differs(v, current_trainer[k])]
+    if tuned:
+        log.warning("run %s/%s continues with changed trainer settings: %s", config.project, config.run,
+                    "; ".join(tuned))
+    stored = {**stored, "trainer": {k: v for k, v in stored_trainer.items() if k in identity}}
+    changed = [f for f in RunConfig.IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
+    if changed:
+        raise ValueError(
+            f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "
+            "use a new run name (--set run=...) or the original settings")
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

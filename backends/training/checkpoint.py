@@ -9,6 +9,8 @@ Layout of a checkpoint folder::
     <path>/trainer/trainer.json                 step, TrainerConfig, base model, backend
     <path>/trainer/metrics.json                 per-step metrics so far
 
+The names are storage/layout.py's, so a step folder in storage holds the same ``adapter/`` and ``trainer/``.
+
 The folder is written under a temporary sibling name and renamed into place, so a crash never leaves a
 half-written checkpoint at ``path`` (an existing one is replaced only once the new one is complete).
 Local paths only; copying to object storage is the storage layer's job.
@@ -25,11 +27,8 @@ from typing import Any
 
 import torch
 
-ADAPTER_DIR = "adapter"
-TRAINER_DIR = "trainer"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# Config fields that fix the adapter's shape or meaning: a checkpoint only resumes under the same values.
-SHAPE_FIELDS = ("lora_rank", "lora_alpha", "target_modules")
+from backends.training.config import TrainerConfig
+from storage.layout import ADAPTER_DIR, ADAPTER_WEIGHTS, TRAINER_META, TRAINER_METRICS, TRAINER_STATE, TRAINER_STATE_DIR
 
 
 def capture_rng() -> dict[str, Any]:
@@ -65,13 +64,13 @@ def write_checkpoint(
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(str(tmp / ADAPTER_DIR))
-        (tmp / TRAINER_DIR).mkdir(parents=True)
+        (tmp / TRAINER_STATE_DIR).mkdir(parents=True)
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng()},
-            tmp / TRAINER_DIR / "state.pt",
+            tmp / TRAINER_STATE_DIR / TRAINER_STATE,
         )
-        (tmp / TRAINER_DIR / "trainer.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        (tmp / TRAINER_DIR / "metrics.json").write_text(json.dumps(metrics))
+        (tmp / TRAINER_STATE_DIR / TRAINER_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        (tmp / TRAINER_STATE_DIR / TRAINER_METRICS).write_text(json.dumps(metrics))
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
@@ -90,21 +89,22 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     from safetensors.torch import load_file
 
     path = Path(path)
-    needed = [path / ADAPTER_DIR / ADAPTER_WEIGHTS, path / TRAINER_DIR / "state.pt", path / TRAINER_DIR / "trainer.json"]
+    trainer = path / TRAINER_STATE_DIR
+    needed = [path / ADAPTER_DIR / ADAPTER_WEIGHTS, trainer / TRAINER_STATE, trainer / TRAINER_META]
     missing = [str(p.relative_to(path)) for p in needed if not p.exists()]
     if missing:
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint: missing {', '.join(missing)}")
     weights = load_file(str(needed[0]))
     state = torch.load(needed[1], map_location="cpu", weights_only=True)
     meta = json.loads(needed[2].read_text())
-    metrics_file = path / TRAINER_DIR / "metrics.json"
+    metrics_file = trainer / TRAINER_METRICS
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else []
     return weights, state, meta, metrics
 
 
 def check_compatible(saved_config: dict[str, Any], config: dict[str, Any], path) -> None:
-    """A checkpoint resumes only under the same adapter shape (rank, alpha, target modules)."""
+    """A checkpoint resumes only under the same ``TrainerConfig.ADAPTER_SHAPE_FIELDS`` (rank, alpha, target modules)."""
     diffs = [f"{k}: checkpoint {saved_config.get(k)!r} vs now {config.get(k)!r}"
-             for k in SHAPE_FIELDS if saved_config.get(k) != config.get(k)]
+             for k in TrainerConfig.ADAPTER_SHAPE_FIELDS if saved_config.get(k) != config.get(k)]
     if diffs:
         raise ValueError(f"checkpoint {path} has a different adapter: " + "; ".join(diffs))

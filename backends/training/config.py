@@ -212,14 +212,23 @@ class TrainerConfig(BaseModel):
         "lossy). LoRA weights and optimizer state stay float32 either way.",
     )
 
-    # What a run's adapter IS: a run resumes under any other trainer setting (a new learning rate, another
-    # machine's batching or checkpointing), which the flow logs; these must stay as they were.
-    IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "seed")
+    # Settings that may not change, from the most baked-in out. Each set contains the one before it.
+    # The adapter's shape: saved LoRA weights load only into a model wrapped with the same rank, alpha and targets
+    # (a trainer checkpoint is refused under others).
+    ADAPTER_SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("lora_rank", "lora_alpha", "target_modules")
+    # What a run's adapter IS: the shape plus what makes its bytes reproducible (LoRA init and dropout seed, dropout
+    # rate). A run refuses to resume under other values; any other trainer setting (a new learning rate, another
+    # machine's batching or checkpointing) may change, and the flow logs it.
+    IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = ADAPTER_SHAPE_FIELDS + ("lora_dropout", "seed")
+    # Baked into a live trainer when it is built (the model's dtype and loader, checkpointed layers, swapped modules):
+    # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
+    CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
+        "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
 
     @field_validator("memory_efficient_ops", mode="before")
     @classmethod
     def _switch_from_bool(cls, value):
-        """Configs written when this was a bool: True/False mean 'on'/'off'."""
+        """A bool is accepted: True/False mean 'on'/'off'."""
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 One ``train_step(groups)`` call is exactly one optimizer step:
 
-1. rows from the exact sampled tokens (``rows.build_rows``), group advantages, counts of what was
+1. rows from the exact sampled tokens (``token_rows.build_rows``), group advantages, counts of what was
    left out; no trainable row at all -> metrics with ``no_trainable_rows=1`` and NO step;
 2. aggregation weights fixed for the whole step (``losses.assign_aggregation_weights``), so the
    micro-batch gradients add up to the full-batch gradient;
@@ -172,19 +172,15 @@ class GRPOTrainer:
         self.metrics_history: list[dict[str, float]] = []
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
 
-    # Fields baked into the model or its wrapping at construction; update_config refuses to change them.
-    FIXED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "backend", "dtype", "seed",
-                    "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
-
     def update_config(self, **overrides) -> TrainerConfig:
         """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
 
-        The optimizer's hyper-parameters and the schedule's base rate follow; fields in FIXED_FIELDS
-        (adapter shape, dtype, backend, checkpointing) cannot change on a live trainer: error.
+        The optimizer's hyper-parameters and the schedule's base rate follow; ``TrainerConfig.CONSTRUCTION_FIELDS``
+        (adapter shape, seed, dtype, backend, checkpointing, swapped modules) cannot change on a live trainer: error.
         """
         new = TrainerConfig.model_validate({**self.config.model_dump(), **overrides})
-        fixed = [f"{k}: {getattr(self.config, k)!r} -> {getattr(new, k)!r}" for k in self.FIXED_FIELDS
-                 if getattr(new, k) != getattr(self.config, k)]
+        fixed = [f"{k}: {getattr(self.config, k)!r} -> {getattr(new, k)!r}"
+                 for k in TrainerConfig.CONSTRUCTION_FIELDS if getattr(new, k) != getattr(self.config, k)]
         if fixed:
             raise ValueError("cannot change on a live trainer (start a new one): " + "; ".join(fixed))
         self.config = new

@@ -3,7 +3,7 @@
 import pytest
 
 from agents.scenario import Scenario
-from tasks.run_config import RunConfig, apply_overrides, load_config
+from tasks.run_config import RunConfig, apply_overrides, check_run_identity, load_config
 from tasks.scenarios import pick_train_scenarios
 
 
@@ -75,15 +75,16 @@ def test_agent_metrics_never_overwrite_trainer_metrics():
     assert merged == {"train/reward": 0.5, "train/loss": -0.1, "train/loss.agent": 3.0, "publish/x": 1.0}
 
 
-def test_identity_check_ignores_fields_added_by_newer_versions():
-    from flows.train import check_run_identity
-
+def test_run_identity_refuses_what_defines_the_run_and_ignores_new_fields():
     config = load_config("configs/tiny.yaml")
     stored = config.model_dump(mode="json")
     stored["trainer"].pop("lora_dropout")  # a run written before this field existed
     check_run_identity(stored, config)
     stored["trainer"].update(micro_batch_tokens=7, memory_efficient_ops=False, learning_rate=0.5)
     check_run_identity(stored, config)  # batching, kernels, the learning rate may change on resume
-    stored["trainer"]["lora_rank"] = 99
-    with pytest.raises(ValueError, match="trainer"):
-        check_run_identity(stored, config)
+    for change in ({"lora_rank": 99}, {"seed": 7}, {"lora_dropout": 0.1}):  # the adapter's shape, seed, dropout
+        with pytest.raises(ValueError, match="different trainer"):
+            check_run_identity({**stored, "trainer": {**stored["trainer"], **change}}, config)
+    for field, value in (("group_size", 9), ("agent", "other")):
+        with pytest.raises(ValueError, match=f"different {field}"):
+            check_run_identity({**stored, field: value}, config)

@@ -142,9 +142,18 @@ def test_update_config_between_steps(tiny_model_path):
     assert m["learning_rate"] == pytest.approx(4e-5) and "kl_policy_ref" in m and trainer.config.loss == "ppo"
     with pytest.raises(ValueError, match="lora_rank: 8 -> 4"):
         trainer.update_config(lora_rank=4)
+    with pytest.raises(ValueError, match="seed: 0 -> 1; fused_lora: 'auto' -> 'off'"):
+        trainer.update_config(seed=1, fused_lora="off")
     with pytest.raises(ValueError):
         trainer.update_config(learning_rate=-1.0)
     assert trainer.config.learning_rate == 4e-5
+
+
+def test_fields_that_may_not_change_nest():
+    shape, identity, construction = (TrainerConfig.ADAPTER_SHAPE_FIELDS, TrainerConfig.IDENTITY_FIELDS,
+                                     TrainerConfig.CONSTRUCTION_FIELDS)
+    assert set(shape) < set(identity) < set(construction) <= set(TrainerConfig.model_fields)
+    assert set(identity) - set(shape) == {"lora_dropout", "seed"}
 
 
 def test_backend_choice():
