@@ -1,4 +1,8 @@
-"""The `trajflow` command. Each area registers its own subcommands; imports stay light until one runs."""
+"""The `trajflow` command: `train` and `eval` run the flows; the other areas register their own subcommands.
+
+Building the parser stays light (argparse only): a flow, and everything it imports, loads when its command runs.
+`python -m flows.train` and `python -m flows.evaluate` take the same arguments (flows/arguments.py).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,30 @@ import argparse
 import importlib
 import sys
 
-# module -> what it adds: storage (runs), backends (serve, backend serve), flows (train, eval)
-_COMMAND_MODULES = ("flows.commands", "backends.serving.cli", "backends.art.cli", "storage.cli")
+from flows.arguments import eval_parser, train_parser
+
+# module -> what it adds: backends (serve, backend serve), storage (runs)
+_COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from flows.train import run_command
+
+    return run_command(args)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from flows.evaluate import run_command
+
+    return run_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trajflow", description="Train LLM agents with GRPO in durable Prefect flows.")
+    parser = argparse.ArgumentParser(prog="trajflow",
+                                     description="Train LLM agents with GRPO in durable Prefect flows.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train_parser(sub.add_parser("train", help="train an agent (resumes a stored run)")).set_defaults(func=_run_train)
+    eval_parser(sub.add_parser("eval", help="evaluate policies on the validation split")).set_defaults(func=_run_eval)
     for name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

@@ -7,16 +7,20 @@ Results: a table and a bar chart as Prefect artifacts, and ``evaluations/<timest
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import sys
 import time
 from typing import Any
 
 from prefect import flow
 
+from flows.arguments import eval_parser, log_to_terminal
 from storage.layout import evaluation_dir, evaluation_file, scored_file
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
-from tasks.run_config import RunConfig
+from tasks.run_config import RunConfig, load_config
 from tasks.support.reporting import chart_png, png_markdown
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import val_scenarios
@@ -102,3 +106,15 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
         return results
     finally:
         close_runtime(config)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`trajflow eval` and `python -m flows.evaluate`: evaluate each --policy (default: base), print the rows."""
+    log_to_terminal()
+    config = load_config(args.config, args.overrides)
+    print(json.dumps(evaluate(config, args.policies or ["base"]), default=str, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(eval_parser().parse_args()))

@@ -13,7 +13,9 @@ previous checkpoint, so where the run was killed does not change its result.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -24,6 +26,7 @@ from prefect import flow
 from agents.group_metrics import merge_step_metrics
 from backends.policy.checkpoints import training_result
 
+from flows.arguments import log_to_terminal, train_parser
 from tasks.support.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
@@ -75,8 +78,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     store.write_run_config(config.model_dump(mode="json"))
     storage = result_storage_for(config)
 
-    def staged(t):
-        return t.with_options(result_storage=storage)
+    def with_run_storage(task):
+        """`task` with its results persisted in the run's storage: what lets a rerun reuse them."""
+        return task.with_options(result_storage=storage)
 
     try:
         committed = store.committed_steps()
@@ -84,34 +88,34 @@ def train(config: RunConfig) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
         if last is None:
             training = initialize_policy_fn(config)
-            publish = staged(publish_policy)(config, 0, training)
+            publish = with_run_storage(publish_policy)(config, 0, training)
             metrics = dict(publish["metrics"])
             if _evaluate_due(config, 0):
-                metrics.update(staged(evaluate_policy)(config, 0))
+                metrics.update(with_run_storage(evaluate_policy)(config, 0))
             store.commit(0, metrics, extra={"policy": config.policy(0)})
             print(format_step_line(0, metrics))
             last = 0
         else:
             training = training_result(store, last)
-            staged(publish_policy)(config, last, training)
+            with_run_storage(publish_policy)(config, last, training)
             print(f"resuming {config.project}/{config.run} after committed step {last}")
         for step in range(last + 1, config.steps + 1):
             timer = StageTimer()
             with timer("sample"):
-                scenarios = staged(sample_scenarios)(config, step)
+                scenarios = with_run_storage(sample_scenarios)(config, step)
             with timer("rollouts"):
-                rollouts = staged(run_rollouts)(config, step, scenarios)
+                rollouts = with_run_storage(run_rollouts)(config, step, scenarios)
             with timer("score"):
-                scored = staged(score_groups)(config, step, scenarios, rollouts)
+                scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
             with timer("train"):
-                training = staged(train_policy)(config, step)
+                training = with_run_storage(train_policy)(config, step)
             with timer("publish"):
-                publish = staged(publish_policy)(config, step, training)
+                publish = with_run_storage(publish_policy)(config, step, training)
             metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
             metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
             if _evaluate_due(config, step):
                 with timer("evaluate"):
-                    metrics.update(staged(evaluate_policy)(config, step))
+                    metrics.update(with_run_storage(evaluate_policy)(config, step))
             metrics.update(timer.metrics())
             crash_point("before-commit", step)
             store.commit(step, metrics, extra={"policy": config.policy(step)})
@@ -126,11 +130,14 @@ def train(config: RunConfig) -> dict[str, Any]:
         close_runtime(config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flows.commands import build_train_parser, run_train
-
-    return run_train(build_train_parser().parse_args(argv))
+def run_command(args: argparse.Namespace) -> int:
+    """`trajflow train` and `python -m flows.train`: run the flow on CONFIG (with --set overrides), print the result."""
+    log_to_terminal()
+    config = load_config(args.config, args.overrides)
+    result = train(config)
+    print(json.dumps({"run": f"{config.project}/{config.run}", "storage": config.storage, **result}, default=str))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(train_parser().parse_args()))

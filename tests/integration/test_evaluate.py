@@ -40,3 +40,15 @@ def test_bad_policy_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_policy(spec, config)
     assert parse_policy("@2", config)["label"] == "tiny@2"
+
+
+def test_the_eval_command_prints_one_row_per_policy(prefect_api, tmp_path, tiny_model_path, capsys):
+    from flows.arguments import eval_parser
+    from flows.evaluate import run_command
+
+    args = eval_parser().parse_args(["configs/tiny.yaml", "--set", f"storage={tmp_path}", "--set",
+                                     "agent=tests.flow_agents:EchoAgent", "--set", "eval_scenarios=2"])
+    assert run_command(args) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("[\n"):])  # the flow's own prints, if any, come first
+    assert [(r["policy"], r["val/trajectories"]) for r in rows] == [("base", 2)]
