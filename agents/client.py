@@ -79,6 +79,22 @@ def rollout_context(
         _CURRENT.reset(token)
 
 
+def current_rollout() -> RolloutContext | None:
+    """The rollout in progress here (the innermost `rollout_context` of this task), or None outside one."""
+    return _CURRENT.get()
+
+
+def add_training_fields(body: dict[str, Any], ctx: RolloutContext | None) -> None:
+    """Ask a chat request for what GRPO needs, where the caller left it unset: ``logprobs``, ``return_token_ids``,
+    and the rollout's next derived ``seed`` (when `ctx` has seed material)."""
+    body.setdefault("logprobs", True)
+    body.setdefault("return_token_ids", True)
+    if ctx is not None and "seed" not in body:
+        seed = ctx.next_seed()
+        if seed is not None:
+            body["seed"] = seed
+
+
 def _is_chat(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.rstrip("/").endswith("/chat/completions")
 
@@ -92,14 +108,9 @@ class PolicyTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if not _is_chat(request):
             return await self._inner.handle_async_request(request)
-        ctx = _CURRENT.get()
+        ctx = current_rollout()
         body = json.loads(request.content or b"{}")
-        body.setdefault("logprobs", True)
-        body.setdefault("return_token_ids", True)
-        if ctx is not None and "seed" not in body:
-            seed = ctx.next_seed()
-            if seed is not None:
-                body["seed"] = seed
+        add_training_fields(body, ctx)
         content = json.dumps(body).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
         new_request = httpx.Request(request.method, request.url, headers=headers, content=content,

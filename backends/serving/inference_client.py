@@ -33,7 +33,7 @@ def _message(reply: httpx.Response) -> str:
 
 
 class InferenceClient:
-    """health / models / load_adapter / unload_adapter / wait_healthy, async with `*_sync` wrappers."""
+    """health / models / load_adapter / unload_adapter / wait_healthy, async; `health_sync` for blocking callers."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60):
         url = base_url.rstrip("/")
@@ -83,28 +83,11 @@ class InferenceClient:
             await asyncio.sleep(min(delay, max(0.0, end - time.monotonic())))
             delay = min(delay * 2, 1.0)
 
-    # -- blocking wrappers (usable with or without a running event loop) -------------------------------------------
     def health_sync(self) -> bool:
-        return _run(self.health())
-
-    def models_sync(self) -> list[str]:
-        return _run(self.models())
-
-    def load_adapter_sync(self, name: str, path: str) -> None:
-        _run(self.load_adapter(name, path))
-
-    def unload_adapter_sync(self, name: str) -> None:
-        _run(self.unload_adapter(name))
-
-    def wait_healthy_sync(self, deadline_s: float) -> None:
-        _run(self.wait_healthy(deadline_s))
-
-
-def _run(coro):
-    """Run `coro` to completion; from inside a running loop, on a helper thread (blocking the caller)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        """`health` for blocking code (the vLLM launcher); inside a running event loop it runs on a helper thread."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.health())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self.health()).result()

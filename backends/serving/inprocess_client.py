@@ -1,7 +1,7 @@
 """An AsyncOpenAI-shaped client over an in-process :class:`~backends.inference.engine.Engine`: no HTTP server, same answers.
 
 ``InProcessClient(engine).chat.completions.create(model=..., messages=..., ...)`` runs exactly what the embedded
-server's ``POST /v1/chat/completions`` runs (`engine_chat`: request validation, chat-template rendering, the
+server's ``POST /v1/chat/completions`` runs (`backends.serving.chat`: request validation, chat-template rendering, the
 response JSON) and returns an ``openai`` ``ChatCompletion``. Like the trajflow policy client (`agents.client`) it
 asks for logprobs and token ids on every call, copies ``prompt_token_ids`` and the policy name onto each choice,
 and, inside :func:`agents.client.rollout_context`, seeds each call from the rollout's identity; so an agent's
@@ -29,18 +29,12 @@ class _Completions:
         """One chat completion (``stream`` is refused); returns ``openai.types.chat.ChatCompletion``."""
         from openai.types.chat import ChatCompletion
 
-        from agents.client import _CURRENT  # the rollout's seed source, shared with the HTTP client
+        from agents.client import add_training_fields, current_rollout  # what the HTTP policy client adds
 
         if kwargs.get("stream"):
             raise ValueError("InProcessClient does not stream; call without stream=True")
         body = {k: v for k, v in kwargs.items() if v is not None}
-        body.setdefault("logprobs", True)
-        body.setdefault("return_token_ids", True)
-        ctx = _CURRENT.get()
-        if ctx is not None and "seed" not in body:
-            seed = ctx.next_seed()
-            if seed is not None:
-                body["seed"] = seed
+        add_training_fields(body, current_rollout())
         req = parse_request(body)
         self._engine.adapters.resolve(req.model)  # unknown policy: UnknownModel before the template work
         prompt = render_prompt(self._engine.tokenizer, req)

@@ -130,4 +130,5 @@ async def test_inference_client_health_and_wait(tiny_server):
     assert not await dead.health()
     with pytest.raises(TimeoutError):
         await dead.wait_healthy(0.5)
-    assert dialect.models_sync()[0] == "tiny-random"
+    assert (await dialect.models())[0] == "tiny-random"
+    assert dialect.health_sync() and not dead.health_sync()  # blocking, from inside a running loop
