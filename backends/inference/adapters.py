@@ -12,7 +12,7 @@
   ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
 - **Memory.** Every registered adapter stays registered until unloaded; its weights are kept in host memory for the
   ``max_cpu_loras`` most recently used adapters and re-read from the local copy when needed again. How many sit on
-  the device at once (``max_loras``) is the engine's business (`engine_lora.LoraSlots`).
+  the device at once (``max_loras``) is the engine's business (`lora_slots.LoraSlots`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,26 @@
 """The embedded inference engine: continuous batching over a slot KV cache, LoRA per row, seeded sampling.
 
 Why our own scheduler and forward rather than transformers' continuous batching (``generate_batch`` /
-``ContinuousBatchingManager``, read in transformers 5.24): its sampling parameters are one ``GenerationConfig`` for
-the whole manager (no per-request temperature/top_p/seed), it samples from the global RNG, the logprob it can
-return is of the *processed* distribution (after temperature/top-p) rather than the raw one GRPO needs, and it has
-no adapter per request. It is also slow where it counts: on an H200 with a 0.5B Qwen2.5 shape (issue 3)
-``generate_batch`` gave 680 tok/s at concurrency 64, and plain ``generate`` 16 tok/s at concurrency 1 (a 62 ms
-decode step, almost all host overhead, against a ~0.2 ms bandwidth limit); a batching scheduler over ``generate``
-would keep that overhead and wait for the slowest sequence of each batch. This engine, on the same shape serving an
-unmerged LoRA r16 (``benchmarks/results/inference-h200-qwen05-lora16.md``): 334 tok/s at concurrency 1 and
-13,000 tok/s at 64 (20,000 without the adapter), against 13 tok/s for one ``generate`` per request in the same run;
-on this 2-core CPU with SmolLM2-135M, 67 tok/s at 64 against 15. How:
+``ContinuousBatchingManager``): its sampling parameters are one ``GenerationConfig`` for the whole manager (no
+per-request temperature/top_p/seed), it samples from the global RNG, the logprob it can return is of the *processed*
+distribution (after temperature/top-p) rather than the raw one GRPO needs, and it has no adapter per request. It is
+also slow where it counts: on an H200 with a 0.5B Qwen2.5 shape ``generate_batch`` gave 680 tok/s at concurrency 64,
+and plain ``generate`` 16 tok/s at concurrency 1 (a 62 ms decode step, almost all host overhead, against a ~0.2 ms
+bandwidth limit); a batching scheduler over ``generate`` would keep that overhead and wait for the slowest sequence
+of each batch. This engine, on the same shape serving an unmerged LoRA r16
+(``benchmarks/results/inference-h200-qwen05-lora16.md``): 334 tok/s at concurrency 1 and 13,000 tok/s at 64 (20,000
+without the adapter), against 13 tok/s for one ``generate`` per request in the same run; on this 2-core CPU with
+SmolLM2-135M, 67 tok/s at 64 against 15. How:
 
-- **Continuous batching.** Every running sequence owns a KV slot (`engine_kvcache`). Each loop iteration admits
+- **Continuous batching.** Every running sequence owns a KV slot (`kv_cache`). Each loop iteration admits
   waiting requests into free slots (one padded prefill for all of them, bounded by a token budget), then runs one
   decode step over all running sequences; a sequence that finishes frees its slot at once, so nobody waits for the
   slowest sequence, and new requests join at the next iteration.
-- **Forward** (`engine_model`): Llama/Qwen2/Qwen3/Mistral maths over the HF model's own weights; per-row LoRA from
-  up to ``max_loras`` resident adapters in one batch (`engine_lora`).
-- **Step** (`engine_graphs`): on CUDA, forward + sampling of a decode step replay from a CUDA graph (static KV cache,
+- **Forward** (`decoder`): Llama/Qwen2/Qwen3/Mistral maths over the HF model's own weights; per-row LoRA from
+  up to ``max_loras`` resident adapters in one batch (`lora_slots`).
+- **Step** (`cuda_graphs`): on CUDA, forward + sampling of a decode step replay from a CUDA graph (static KV cache,
   bucketed batch and length); on the CPU the same code runs eagerly.
-- **Sampling** (`engine_sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
+- **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
 - **Limits.** A prompt is prefilled in one go (no chunked prefill): a long prompt delays running sequences by one
@@ -221,10 +221,6 @@ class Engine:
         return ids
 
     # -- public API -------------------------------------------------------------------------------------------------
-    def model_names(self) -> list[str]:
-        """The base name, then every registered adapter."""
-        return self.adapters.names()
-
     def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterEntry:
         """Register adapter `name` from a local folder or storage URI (validated now; placed on the device on use)."""
         old = None
