@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.activation_memory import saved_activation_bytes  # noqa: E402
 from backends.training.kernels.fused_lora import LoraParts, lora_linear  # noqa: E402
 from backends.training.kernels.lean_ops import lora_swiglu, rms_norm  # noqa: E402
+from benchmarks.activation_memory import saved_activation_bytes  # noqa: E402
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -51,9 +51,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents.trajectory import SampledTurn, Trajectory, TrajectoryGroup  # noqa: E402
+from backends.training.config import TrainerConfig  # noqa: E402
 from backends.training.losses import assign_aggregation_weights  # noqa: E402
 from backends.training.token_rows import build_rows  # noqa: E402
-from backends.training.config import TrainerConfig  # noqa: E402
 from backends.training.trainer import GRPOTrainer  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16, vendor datasheet

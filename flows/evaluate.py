@@ -21,10 +21,10 @@ from storage.layout import evaluation_dir, evaluation_file, scored_file
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig, load_config
-from tasks.support.reporting import chart_png, png_markdown
-from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
+from tasks.support.reporting import chart_png, png_markdown
+from tasks.support.runtime import close_runtime, get_runtime
 
 
 def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def _bar_chart(results: list[dict[str, Any]]) -> bytes:
 
 
 async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -> dict[str, Any]:
-    rt = get_runtime(config)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     model = policy.get("model")
     if policy["kind"] == "base":
         served = await rt.inference_client().models()
@@ -91,7 +91,7 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
             else:
                 results.append(asyncio.run(_evaluate_one(config, policy, stamp)))
             print(f"{results[-1]['policy']}: val/reward={results[-1]['val/reward']:.4f}")
-        store = get_runtime(config).store
+        store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
         store.put_json(None, evaluation_file(stamp, "json"), results)
         png = _bar_chart(results)
         store.put_bytes(None, evaluation_file(stamp, "png"), png)

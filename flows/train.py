@@ -25,18 +25,17 @@ from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
 from backends.policy.checkpoints import training_result
-
 from flows.arguments import log_to_terminal, train_parser
-from tasks.support.crash_points import crash_point
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
-from tasks.support.reporting import format_step_line, publish_run_artifacts
-from tasks.support.result_storage import result_storage_for
 from tasks.rollouts import run_rollouts
 from tasks.run_config import RunConfig, check_run_identity, load_config
-from tasks.support.runtime import close_runtime, get_runtime
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
+from tasks.support.crash_points import crash_point
+from tasks.support.reporting import format_step_line, publish_run_artifacts
+from tasks.support.result_storage import result_storage_for
+from tasks.support.runtime import close_runtime, get_runtime
 from tasks.training import initialize_policy_fn, train_policy
 
 log = logging.getLogger("trajflow")
@@ -72,7 +71,7 @@ def _evaluate_due(config: RunConfig, step: int) -> bool:
 @flow(name="train", log_prints=True)
 def train(config: RunConfig) -> dict[str, Any]:
     """Train `config.agent` until `config.steps` steps are committed; returns the last step's metrics."""
-    rt = get_runtime(config)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     store = rt.store
     check_run_identity(store.read_run_config(), config)
     store.write_run_config(config.model_dump(mode="json"))

@@ -12,8 +12,8 @@ from typing import Any
 
 from prefect import flow, task
 
-from tasks.support.result_storage import result_storage_for
 from tasks.run_config import RunConfig
+from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime
 from tasks.training import train_policy_fn
 

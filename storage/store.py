@@ -34,7 +34,15 @@ from storage.layout import (
     parse_step_dir,
     step_dir,
 )
-from storage.manifest import FileEntry, StepManifest, check_extra, check_metrics, now_iso, parse_manifest, trajflow_version
+from storage.manifest import (
+    FileEntry,
+    StepManifest,
+    check_extra,
+    check_metrics,
+    now_iso,
+    parse_manifest,
+    trajflow_version,
+)
 from storage.names import InvalidNameError, safe_prefix, safe_relpath, validate_name
 from storage.retention import steps_to_keep
 

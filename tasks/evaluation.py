@@ -14,13 +14,12 @@ from typing import Any
 from prefect import task
 
 from storage.layout import EVAL_GROUPS_DIR, EVAL_SCORED
-
-from tasks.support.cache_keys import cache_key_fn
-from tasks.support.retry_policy import retry_condition
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.retry_policy import retry_condition
 
 
 def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) -> dict[str, float]:

@@ -48,7 +48,7 @@ async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> d
 
 def publish_policy_fn(config: RunConfig, step: int, training: dict[str, Any] | None) -> dict[str, Any]:
     """Make `<run>@<step>` servable and verified; returns the served name and probe metrics."""
-    rt = get_runtime(config)  # this process's server, clients and trainer for the run (tasks/support/runtime.py)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     metrics = asyncio.run(_publish(rt, step, training))
     log.info("published %s %s", config.policy(step), metrics)
     return {"policy": config.policy(step), "metrics": metrics}

@@ -25,14 +25,13 @@ from agents.client import rollout_context, rollout_seed_material
 from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 from storage.layout import GROUPS_DIR, group_file
-
+from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.progress import Progress
 from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
-from tasks.run_config import RunConfig
-from tasks.support.tracing import get_tracer
 from tasks.support.runtime import Runtime, get_runtime
+from tasks.support.tracing import get_tracer
 
 log = logging.getLogger("trajflow")
 
@@ -98,7 +97,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     are stored under `prefix` in the folder of step `storage_step`, or at the run level when it is
     None (evaluations outside the step sequence).
     """
-    rt = get_runtime(config)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     store = rt.store
     todo = [(i, s) for i, s in enumerate(scenarios) if not store.exists(storage_step, group_file(prefix, i))]
     reused = len(scenarios) - len(todo)
@@ -143,7 +142,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
 
 def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[TrajectoryGroup]:
-    store = get_runtime(config).store
+    store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
     groups: list[TrajectoryGroup] = []
     for path in paths:
         groups.extend(store.read_groups(step, path))

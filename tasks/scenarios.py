@@ -14,10 +14,9 @@ from prefect import task
 
 from agents.scenario import Scenario
 from storage.layout import SCENARIOS
-
+from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
-from tasks.run_config import RunConfig
 from tasks.support.runtime import get_runtime
 
 
@@ -40,7 +39,7 @@ def pick_train_scenarios(pool: list[Scenario], seed: int, step: int, count: int)
 
 def sample_scenarios_fn(config: RunConfig, step: int) -> list[Scenario]:
     """Plain function behind the task: pick, then record the choice in the step folder."""
-    rt = get_runtime(config)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     pool = rt.agent.scenarios("train", seed=config.seed)
     picked = pick_train_scenarios(pool, config.seed, step, config.groups_per_step)
     rt.store.put_json(step, SCENARIOS, [s.model_dump(mode="json") for s in picked])
@@ -49,6 +48,7 @@ def sample_scenarios_fn(config: RunConfig, step: int) -> list[Scenario]:
 
 def val_scenarios(config: RunConfig) -> list[Scenario]:
     """The fixed validation set used by every evaluation of the run."""
+    # this process's resources for the run (tasks/support/runtime.py)
     pool = get_runtime(config).agent.scenarios("val", seed=config.seed)
     if not pool:
         raise ValueError(f"agent {config.agent!r} has no val scenarios to evaluate on")

@@ -22,13 +22,12 @@ from agents.scenario import Scenario
 from agents.trajectory import TrajectoryGroup
 from storage.judge_cache import StoreJudgeCache
 from storage.layout import SCORED
-
-from tasks.support.cache_keys import cache_key_fn
-from tasks.support.retry_policy import retry_condition
 from tasks.rollouts import read_groups
 from tasks.run_config import RunConfig
-from tasks.support.tracing import get_tracer, rollout_trace_id
+from tasks.support.cache_keys import cache_key_fn
+from tasks.support.retry_policy import retry_condition
 from tasks.support.runtime import Runtime, get_runtime
+from tasks.support.tracing import get_tracer, rollout_trace_id
 
 log = logging.getLogger("trajflow")
 
@@ -91,7 +90,7 @@ def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rol
                     out: str = SCORED, prefix: str = "train",
                     use_judge: bool = True) -> dict[str, Any]:
     """Score the stored groups of a step and write them to `out`; returns summary metrics."""
-    rt = get_runtime(config)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     by_id = {s.id: s for s in scenarios}
     groups = read_groups(config, step, rollouts["paths"])
     for group in groups:
@@ -101,7 +100,7 @@ def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rol
     rt.store.write_groups(step, out, groups)
     _trace_scores(config, step, groups)
     metrics = summarize(groups, prefix)
-    log.info("step %d %s: reward %.3f ± %.3f over %d trajectories (%d failed)", step, prefix,
+    log.info("step %s %s: reward %.3f ± %.3f over %d trajectories (%d failed)", step, prefix,
              metrics[f"{prefix}/reward"], metrics[f"{prefix}/reward_std"],
              int(metrics[f"{prefix}/trajectories"]), int(metrics[f"{prefix}/failed"]))
     return {"path": out, "metrics": metrics}

@@ -14,23 +14,22 @@ from typing import Any
 from prefect import task
 
 from backends.policy.checkpoints import initialize, train_step, training_result
-
+from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.retry_policy import retry_condition
-from tasks.run_config import RunConfig
 from tasks.support.runtime import get_runtime
 
 
 def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:
     """Step 0: the seeded initial adapter (LoRA B = 0, so it equals the base model) and optimizer state."""
-    rt = get_runtime(config)  # this process's store and trainer for the run (tasks/support/runtime.py)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     return initialize(rt.store, rt.fresh_trainer)
 
 
 def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     """Load checkpoint step-1, train on the scored groups of `step`, upload checkpoint `step`."""
-    rt = get_runtime(config)  # this process's store and trainer for the run (tasks/support/runtime.py)
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     finished = training_result(rt.store, step)
     if finished is not None:  # finished before a kill: never load a trainer, never train twice
         return finished
@@ -50,6 +49,7 @@ def train_remote(config: RunConfig, step: int) -> dict[str, Any]:
     if state is None or not state.is_completed():
         raise RuntimeError(f"training deployment {config.training.deployment!r} for step {step} ended "
                            f"{getattr(state, 'name', 'without a state')}")
+    # this process's resources for the run (tasks/support/runtime.py)
     result = training_result(get_runtime(config).store, step)
     if result is None:
         raise RuntimeError(f"training deployment {config.training.deployment!r} completed step {step} "

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 import urllib.request
+import uuid
 
 import pytest
 

@@ -40,9 +40,9 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agents.agent import ConfiguredAgent
+from agents.examples.turn_sampling import last_assistant, ordered, sample_turn, split_of
 from agents.scenario import Scenario, Split
 from agents.trajectory import Trajectory
-from agents.examples.turn_sampling import last_assistant, ordered, sample_turn, split_of
 
 Operation = Literal["add", "mul"]
 SYMBOL: dict[str, str] = {"add": "+", "mul": "*"}

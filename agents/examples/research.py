@@ -46,10 +46,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agents.agent import ConfiguredAgent
 from agents.examples.research_corpus import Corpus, build_corpus
+from agents.examples.turn_sampling import ContextExhausted, ordered, sample_turn, split_of
 from agents.scenario import Scenario, Split
 from agents.tools import MODEL_ERROR_KINDS, ToolBox, ToolCall, function_tool, tool_result_message
 from agents.trajectory import Trajectory
-from agents.examples.turn_sampling import ContextExhausted, ordered, sample_turn, split_of
 
 SYSTEM_PROMPT = (
     "You answer questions about a company directory. Use the tools: search(query) finds documents, "

@@ -42,9 +42,9 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents.agent import ConfiguredAgent
+from agents.examples.turn_sampling import ContextExhausted, ordered, sample_turn
 from agents.scenario import Scenario, Split
 from agents.trajectory import Trajectory
-from agents.examples.turn_sampling import ContextExhausted, ordered, sample_turn
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 CORNERS = (0, 2, 6, 8)

@@ -9,8 +9,8 @@ import os
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from backends.art.server import create_backend_app
     from backends.art.local_backend import LocalBackend
+    from backends.art.server import create_backend_app
 
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
     backend = LocalBackend(storage=args.storage, device=args.device, host=args.host, port=args.inference_port,

@@ -67,7 +67,6 @@ class LocalBackend:
 
     async def _publish(self, model: TrainableModel, state: _RunState, step: int) -> dict[str, float]:
         from agents.client import policy_client
-
         from backends.serving.inference_client import InferenceClient
 
         server = self._server(model.base_model)

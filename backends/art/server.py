@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field
 
 from agents.model import TrainableModel, TrainConfig
 from agents.trajectory import TrajectoryGroup
-
 from backends.art.local_backend import LocalBackend
 
 

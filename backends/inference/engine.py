@@ -48,9 +48,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.inference.adapters import AdapterEntry, AdapterRegistry, UnknownModel
 from backends.inference.cuda_graphs import DecodeStep
+from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.lora_slots import LoraSlots
-from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.sampling import choice_seed, sample, uniform
 
 log = logging.getLogger(__name__)

@@ -26,11 +26,10 @@ import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.serving import completions as text_completions
 from backends.inference.adapters import AdapterError, UnknownModel
 from backends.inference.engine import Engine, EngineConfig, EngineStopped, RequestError
-from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, \
-    stream_chunks
+from backends.serving import completions as text_completions
+from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, stream_chunks
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""The GRPO update: GRPOTrainer, TrainerConfig, rows, advantages, losses, packing, logprobs, checkpoints, Unsloth. Never imports inference."""
+"""The GRPO update: GRPOTrainer, TrainerConfig, rows, advantages, losses, packing, logprobs, checkpoints,
+Unsloth. Never imports inference."""

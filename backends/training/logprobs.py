@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.training.kernels.torch_compile import kernel
 from backends.modeling.logits import logits_fp32
+from backends.training.kernels.torch_compile import kernel
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float):

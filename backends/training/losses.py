@@ -30,6 +30,7 @@ n_j trained tokens in trajectory j and N in the step:
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 from backends.training.token_rows import TrainingRow

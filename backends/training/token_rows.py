@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.trajectory import SampledTurn, Trajectory, TrajectoryGroup
-
 from backends.training.advantages import group_advantages
 
 

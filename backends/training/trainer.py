@@ -34,17 +34,16 @@ from pathlib import Path
 import torch
 
 from agents.trajectory import TrajectoryGroup
-
+from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
-from backends.modeling.logits import logits_fp32
-from backends.training.logprobs import chunked_logprobs
+from backends.training.config import TrainerConfig
 from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
+from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import assign_aggregation_weights, policy_loss
 from backends.training.packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
-from backends.training.config import TrainerConfig
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
 
 

@@ -19,6 +19,7 @@ from tasks.support.runtime import get_runtime
 
 def result_storage_for(config: RunConfig):
     """A value for ``task.with_options(result_storage=...)``: a Path or a saved block's slug."""
+    # this process's resources for the run (tasks/support/runtime.py)
     url = f"{get_runtime(config).store.url.rstrip('/')}/{PREFECT_RESULTS_DIR}"
     if "://" not in url or url.startswith("file://"):
         path = Path(url.removeprefix("file://"))

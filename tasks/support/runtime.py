@@ -15,7 +15,6 @@ from agents.client import policy_client
 from backends.modeling.devices import resolve_device
 from backends.policy.checkpoints import load_checkpoint
 from storage.store import RunStore
-
 from tasks.run_config import RunConfig
 
 log = logging.getLogger("trajflow")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from storage.store import RunStore
 from tasks.rollouts import RolloutFailures
 from tasks.run_config import load_config
-from storage.store import RunStore
 
 
 def _config(tmp_path, **overrides):

@@ -35,8 +35,15 @@ import types
 import torch
 import torch.nn.functional as F
 
+from backends.training.kernels.fused_lora import (
+    cast_parts,
+    compute_dtype,
+    fusable_parts,
+    lora_forward,
+    lora_input_grad,
+    lora_param_grads,
+)
 from backends.training.kernels.torch_compile import kernel
-from backends.training.kernels.fused_lora import cast_parts, compute_dtype, fusable_parts, lora_forward, lora_input_grad, lora_param_grads
 
 
 def _norm(x, weight, eps: float):

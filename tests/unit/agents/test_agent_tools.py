@@ -7,8 +7,15 @@ import threading
 
 import pytest
 
-from agents.tools import (ToolBox, ToolCall, function_tool, parse_tool_calls, run_tool, tool_result_message,
-                          validate_tool_call)
+from agents.tools import (
+    ToolBox,
+    ToolCall,
+    function_tool,
+    parse_tool_calls,
+    run_tool,
+    tool_result_message,
+    validate_tool_call,
+)
 
 TOOLS = [
     function_tool("search", "find", {"query": {"type": "string"}}),

@@ -7,12 +7,10 @@ import json
 import subprocess
 import sys
 
-
 from storage import RunStore
 from storage.cli import compress_steps, register
 from storage.runs import list_runs
 from tests.paths import REPO
-
 
 
 def _cli(argv: list[str]) -> int:

@@ -18,7 +18,6 @@ from storage.runs import list_runs
 from tests.paths import REPO
 
 
-
 def test_missing_bucket_is_named_on_every_operation(s3_endpoint, capsys):
     bucket = f"tf-missing-{uuid.uuid4().hex[:12]}"
     store = RunStore(f"s3://{bucket}/root", "proj", "run")

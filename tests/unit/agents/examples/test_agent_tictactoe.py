@@ -9,9 +9,8 @@ import pydantic
 import pytest
 
 from agents import Trajectory
+from agents.examples.tictactoe import LINES, Game, TicTacToeAgent, cell_name, opponent_move, parse_move, winner
 from agents.registry import get_agent
-from agents.examples.tictactoe import (LINES, Game, TicTacToeAgent, cell_name, opponent_move, parse_move,
-                              winner)
 
 
 @pytest.fixture

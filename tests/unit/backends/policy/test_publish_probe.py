@@ -17,9 +17,9 @@ from backends.policy import checkpoints, probe
 from backends.policy.probe import PROBE_MESSAGES, StaleAdapterError, probe_tolerance
 from backends.policy.publish import local_adapter, publish
 from backends.serving.inference_client import InferenceClient
-from storage.layout import TRAINING_RESULT
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer
+from storage.layout import TRAINING_RESULT
 from storage.store import RunStore
 from tests.fixtures_server import API_KEY
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.examples.arithmetic import ArithmeticAgent
 from agents.client import policy_client, rollout_context
+from agents.examples.arithmetic import ArithmeticAgent
 from agents.trajectory import SampledTurn
 from backends.inference.adapters import UnknownModel
 from backends.inference.engine import Engine, EngineConfig, RequestError

@@ -11,6 +11,7 @@ import sys
 import time
 
 import openai
+
 from tests.paths import REPO
 
 RUN_SERVE = ("import argparse, sys; from backends.serving.cli import register; p = argparse.ArgumentParser(); "

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from backends.training.logprobs import chunked_logprobs, full_logprobs
-from backends.training.kernels.fused_lora import lora_linear
 from backends.training.config import TrainerConfig
+from backends.training.kernels.fused_lora import lora_linear
+from backends.training.logprobs import chunked_logprobs, full_logprobs
 from backends.training.trainer import GRPOTrainer
 from tests.fixtures_trainer import synthetic_group
 

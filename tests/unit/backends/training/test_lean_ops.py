@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.activation_memory import saved_activation_bytes
+from backends.training.config import TrainerConfig
 from backends.training.kernels.fused_lora import LoraParts
 from backends.training.kernels.lean_ops import lora_swiglu
-from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer
+from benchmarks.activation_memory import saved_activation_bytes
 from tests.fixtures_trainer import synthetic_group
 
 pytestmark = pytest.mark.usefixtures("single_thread")
