@@ -36,6 +36,7 @@ SCENARIOS = "scenarios.json"
 GROUPS_DIR = "groups"
 SCORED = "scored.parquet"
 ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's format: what vLLM and the embedded engine load
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_REL = f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"
 TRAINER_STATE_DIR = "trainer"

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
+from storage.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -77,7 +79,7 @@ def fetch_adapter(path: str, cache_dir: Path) -> Path:
     """Local folder holding the adapter files: `path` itself, or a cached copy of a storage URI."""
     if not _is_uri(path):
         local = Path(path).expanduser()
-        if not (local / "adapter_config.json").is_file():
+        if not (local / ADAPTER_CONFIG).is_file():
             raise AdapterError(f"lora_path {path!r}: no adapter_config.json there")
         return local
     import fsspec
@@ -107,7 +109,7 @@ def fetch_adapter(path: str, cache_dir: Path) -> Path:
 def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> HostAdapter:
     """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out))."""
     try:
-        config = json.loads((local / "adapter_config.json").read_text())
+        config = json.loads((local / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise AdapterError(f"{local}: unreadable adapter_config.json ({e})") from e
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
@@ -123,7 +125,7 @@ def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: in
         raise AdapterError(f"{local}: rank r={rank} outside 1..{max_rank} (raise max_lora_rank to serve it)")
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weights_file = local / "adapter_model.safetensors"
+    weights_file = local / ADAPTER_WEIGHTS
     if not weights_file.is_file():
         raise AdapterError(f"{local}: adapter_model.safetensors missing (pickle .bin files are not read)")
     from safetensors.torch import load_file

@@ -26,7 +26,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "agents": (),
     "backends": ("backends.art",),  # backends/__init__.py re-exports LocalBackend and RemoteBackend lazily
     "backends.modeling": (),
-    "backends.inference": ("backends.modeling",),
+    "backends.inference": ("backends.modeling", "storage.layout"),  # the adapter folder's file names
     "backends.serving": ("backends.inference", "backends.modeling", "agents"),  # agents: the rollout's seed context
     "backends.training": ("backends.training.kernels", "backends.modeling",
                           "storage.layout",  # the checkpoint folder's names

@@ -31,17 +31,14 @@ PACKAGES = ("agents", "backends", "storage", "tasks", "flows")
 LAYOUT_FILE = "storage/layout.py"
 
 FILE_NAMES = frozenset({
-    "run.json", "manifest.json", "scenarios.json", "scored.parquet", "adapter_model.safetensors", "state.pt",
-    "trainer.json", "metrics.json", "training.json", "eval.parquet", "reward_curve.png",
+    "run.json", "manifest.json", "scenarios.json", "scored.parquet", "adapter_config.json", "adapter_model.safetensors",
+    "state.pt", "trainer.json", "metrics.json", "training.json", "eval.parquet", "reward_curve.png",
     "judge-cache", "prefect-results",
 })
 DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations"})
 
 # (file, name) -> why the name may be spelled there
-ALLOWED = {
-    ("backends/inference/adapters.py", "adapter_model.safetensors"):
-        "peft's adapter format, which the engine reads from any folder; backends/inference/ may not import storage/",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 _PATH_WORDS = frozenset({"path", "relpath", "rel", "prefix", "dir", "folder", "out", "area"})
 _PATH_CALLS = frozenset({"join", "joinpath", "Path", "PurePath", "PurePosixPath"})
