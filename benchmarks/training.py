@@ -291,10 +291,10 @@ def main() -> None:
                   max_row_tokens=max_len, micro_batch_tokens=mb, seed=0, backend="peft")
     gc = dict(gradient_checkpointing=True)
     lean = dict(memory_efficient_ops="on")
-    peft_ops = dict(fused_lora="off", compile_logprobs="off", memory_efficient_ops="off")  # before any existed
+    peft_ops = dict(fused_lora="off", compile_logprobs="off", memory_efficient_ops="off")  # none of our kernels
     fused = dict(fused_lora="on", compile_logprobs="off", memory_efficient_ops="off")
-    fused_comp = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="off")  # GPU defaults 80e1523
-    fused_comp_lean = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="on")  # since 2026-11-29b
+    fused_comp = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="off")  # + compiled logprobs
+    fused_comp_lean = dict(fused_lora="on", compile_logprobs="on", memory_efficient_ops="on")  # the GPU defaults
     exp = "expandable_segments:True"  # caching-allocator setting of a variant (default: PyTorch's own)
     variants = {
         "ours/no-checkpointing": ("ours", dict(common, **peft_ops), ""),

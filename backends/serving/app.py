@@ -1,6 +1,6 @@
 """The embedded OpenAI-compatible HTTP server (FastAPI) over an `Engine`, in vLLM's dialect.
 
-Routes: ``POST /v1/chat/completions`` (`engine_chat` has the request/response rules), ``POST /v1/completions``
+Routes: ``POST /v1/chat/completions`` (`backends.serving.chat` has the request/response rules), ``POST /v1/completions``
 (text or token-id prompts, `completions` has the rules), ``GET /v1/models``,
 ``GET /health``, ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}``,
 ``POST /v1/unload_lora_adapter {"lora_name"}``. Errors are OpenAI-shaped, ``{"error": {"message", "type", "param",

@@ -9,11 +9,11 @@ Dialect (what vLLM's OpenAI server does, so callers cannot tell the two apart):
   ``logprobs_mode`` other than raw) are refused with a 400 rather than silently dropped.
 - The response carries ``prompt_token_ids`` at the top level (vLLM) and per choice, and per choice ``token_ids``
   (every sampled id, EOS included) and ``stop_reason``. ``logprobs.content[j]`` exists for every sampled token when
-  ``logprobs`` is true; its logprob is the raw one (`engine_sampling`).
+  ``logprobs`` is true; its logprob is the raw one (`backends.inference.sampling`).
 - Tools are given to the chat template. If the model's template ignores tools but is ChatML, our
   ``TOOL_CHAT_TEMPLATE`` renders them instead. With tools and ``tool_choice`` other than ``"none"``, the output is
-  parsed by `toolcalls`; ``"required"`` and a named tool are *not* enforced by constrained decoding (the model is
-  only prompted), a documented difference from vLLM's guided decoding.
+  parsed by `backends.serving.tool_calls`; ``"required"`` and a named tool are *not* enforced by constrained
+  decoding (the model is only prompted), a documented difference from vLLM's guided decoding.
 - Assistant ``tool_calls`` arguments go to the template as the JSON strings the model wrote when the template
   prints strings verbatim (ours does), so the re-rendered prompt extends the earlier turn token for token.
 """

@@ -8,7 +8,7 @@ list of either (one request per prompt; ``choices[i * n + j]`` is choice j of pr
   sampled token's logprob plus the top k alternatives), ``stream, stream_options, user`` and vLLM's extras
   ``stop_token_ids, ignore_eos, return_token_ids, return_tokens_as_token_ids, add_special_tokens, logprobs_mode``.
   Refused with a 400 rather than silently dropped: ``echo``, ``suffix``, ``best_of`` above n, prompt logprobs, and
-  the sampling features chat refuses (`engine_chat.SamplingFields.unsupported`).
+  the sampling features chat refuses (`backends.serving.chat.SamplingFields.unsupported`).
 - Each choice carries ``text``, ``logprobs`` in the completions format (``tokens, token_logprobs, top_logprobs,
   text_offset``; raw logprobs, temperature 1), ``finish_reason``, ``stop_reason``, and always ``token_ids`` and
   ``prompt_token_ids`` (vLLM's ``return_token_ids`` fields).
