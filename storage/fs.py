@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -30,16 +31,38 @@ from storage.errors import AlreadyExistsError, NotFoundError, StorageError
 from storage.names import is_temp_name
 
 CHUNK = 4 * 2**20
+# The schemes whose guarantees this module provides (atomic and exclusive writes, fresh listings).
+SCHEMES = ("file", "s3", "s3a")
+_BUCKET_RE = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")  # botocore's check, run before any request
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _SECRET_OPTION_WORDS = ("secret", "token", "password", "key")
 
 
 def normalize_root(root: str) -> str:
-    """Strip trailing slashes; make a plain local path absolute. URLs (``file://``, ``s3://``) keep their form."""
+    """Strip trailing slashes; make a plain local path absolute; lower-case a URL's scheme.
+
+    A root is a local folder, ``file://PATH`` or ``s3://BUCKET[/PREFIX]`` (:data:`SCHEMES`); anything
+    else raises StorageError naming what is wrong.
+    """
     if not isinstance(root, (str, os.PathLike)) or not str(root).strip():
-        raise StorageError(f"invalid storage root {root!r}: expected a folder path or an fsspec URL like s3://bucket/prefix")
+        raise StorageError(f"invalid storage root {root!r}: expected a folder path or a URL like s3://bucket/prefix")
     root = os.fspath(root)
-    if "://" not in root:
+    if any(ord(c) < 32 or ord(c) == 127 for c in root):
+        raise StorageError(f"invalid storage root {root!r}: control characters (NUL, newline, ...) are not allowed")
+    if "://" in root:
+        scheme, rest = root.split("://", 1)
+        if scheme.lower() not in SCHEMES:
+            raise StorageError(
+                f"invalid storage root {root!r}: scheme {scheme!r} is not supported; use a local folder, "
+                f"file://PATH or s3://BUCKET/PREFIX"
+            )
+        root = f"{scheme.lower()}://{rest}"
+        bucket = rest.split("/", 1)[0]
+        if scheme.lower() != "file" and bucket and not _BUCKET_RE.fullmatch(bucket):
+            raise StorageError(
+                f"invalid storage root {root!r}: bucket name {bucket!r} may hold only letters, digits, '.', '-' and '_'"
+            )
+    else:
         root = os.path.abspath(os.path.expanduser(root))
     stripped = root.rstrip("/")
     if not stripped:
@@ -85,14 +108,15 @@ class Location:
             # explicit, so the fsspec instance cache keys on the endpoint
             options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
         self._secrets = [s for s in _secrets_of(options) + [os.environ.get(e, "") for e in _SECRET_ENV] if len(s) >= 4]
+        self.is_s3 = self.protocol in ("s3", "s3a")
+        self.is_local = self.protocol == "file"
+        self._root_checked = False
         try:
             self.fs, self.path = fsspec.core.url_to_fs(self.url, **options)
-        except Exception as exc:  # noqa: BLE001 - bad protocol or options
+        except Exception as exc:  # noqa: BLE001 - bad options
             raise StorageError(self.redact(f"cannot open storage root {self.url}: {self._cause(exc)}")) from None
         self.path = self.path.rstrip("/") if self.path not in ("", "/") else self.path
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.is_s3 = self.protocol in ("s3", "s3a")
-        self._bucket_checked = False
 
     # ---- naming -------------------------------------------------------------------------
     def full(self, rel: str) -> str:
@@ -117,7 +141,7 @@ class Location:
 
     def _cause(self, exc: BaseException) -> str:
         name = type(exc).__name__
-        text = str(exc) or name
+        text = " ".join(str(exc).split()) or name  # one line, whatever the backend's message looks like
         low = text.lower()
         if self.is_s3 and "bucket does not exist" in low:
             return f"bucket {self.bucket!r} does not exist"
@@ -134,6 +158,8 @@ class Location:
         if isinstance(exc, StorageError):
             return exc
         url = self.url_of(rel)
+        if isinstance(exc, NotADirectoryError) and self.is_local and (blocker := self._file_in_the_way(rel)):
+            return StorageError(f"cannot {action} {url}: {blocker} is a file, not a folder")
         if isinstance(exc, FileNotFoundError) and not (self.is_s3 and "bucket does not exist" in str(exc).lower()):
             return NotFoundError(self.redact(f"cannot {action} {url}: it does not exist"))
         return StorageError(self.redact(f"cannot {action} {url}: {self._cause(exc)}"))
@@ -151,13 +177,31 @@ class Location:
     def bucket(self) -> str:
         return self.path.split("/", 1)[0]
 
-    def check_bucket(self) -> None:
-        """On S3, after a 'not found', make sure it is not the bucket that is missing (checked once).
+    def _file_in_the_way(self, rel: str = "") -> str | None:
+        """Local: the first component of the path to ``rel`` that is a file, not a folder (None if none is)."""
+        target = self.fs._strip_protocol(self.full(rel)).rstrip("/") or "/"
+        parts = target.split("/")
+        for end in range(2, len(parts) + 1):
+            prefix = "/".join(parts[:end])
+            if not os.path.isdir(prefix):
+                return prefix if os.path.exists(prefix) else None
+        return None
 
-        The probe lists at most one key under the root's prefix; a policy that forbids even that
-        cannot tell, so an access-denied probe is let pass (the 'not found' stands).
+    def check_root(self) -> None:
+        """After a 'not found', make sure it is not the root that is missing or blocked (checked once).
+
+        S3: the bucket must exist. The probe lists at most one key under the root's prefix; a policy that
+        forbids even that cannot tell, so an access-denied probe is let pass (the 'not found' stands).
+        Local: no component of the root's path may be a file (then nothing under it can exist).
         """
-        if not self.is_s3 or self._bucket_checked:
+        if self._root_checked:
+            return
+        if self.is_local:
+            if blocker := self._file_in_the_way():
+                raise StorageError(f"cannot use storage root {self.url}: {blocker} is a file, not a folder")
+            self._root_checked = True
+            return
+        if not self.is_s3:
             return
         prefix = self.path.split("/", 1)[1] + "/" if "/" in self.path else ""
         try:
@@ -166,10 +210,10 @@ class Location:
         except StorageError as exc:
             if not isinstance(exc.__context__, PermissionError) and "access denied" not in str(exc):
                 raise
-        self._bucket_checked = True
+        self._root_checked = True
 
     def _not_found(self, action: str, rel: str) -> NotFoundError:
-        self.check_bucket()
+        self.check_root()
         return NotFoundError(f"cannot {action} {self.url_of(rel)}: it does not exist")
 
     # ---- writes ----------------------------------------------------------------------------
@@ -268,7 +312,7 @@ class Location:
         for rel, value in zip(rels, values):
             out[rel] = bytes(value) if isinstance(value, (bytes, bytearray)) else self.error("read", rel, value)
         if any(isinstance(v, NotFoundError) for v in out.values()):
-            self.check_bucket()
+            self.check_root()
         return out
 
     def download(self, rel: str, local_path: str) -> None:
@@ -299,7 +343,7 @@ class Location:
                     raise
                 found = False
         if not found:
-            self.check_bucket()
+            self.check_root()
         return found
 
     # ---- listings (always fresh) -------------------------------------------------------------
@@ -323,7 +367,7 @@ class Location:
                 continue
             out[rel] = int(info.get("size") or 0)
         if not out:
-            self.check_bucket()
+            self.check_root()
         return out
 
     def list_dirs(self, rel_dir: str) -> list[str]:
@@ -341,12 +385,17 @@ class Location:
             self.rel_of(e["name"], rel_dir) for e in entries if e.get("type") == "directory"
         )
         if not names:
-            self.check_bucket()
+            self.check_root()
         return [n for n in names if n and "/" not in n]
 
     def root_exists(self) -> bool:
-        """Local: the root folder exists. S3: the bucket exists (a prefix always 'exists')."""
+        """Local: the root folder exists (StorageError if it, or a folder above it, is a file).
+        S3: the bucket exists (a prefix always 'exists')."""
         if self.is_local:
-            return os.path.isdir(self.fs._strip_protocol(self.path))
-        self.check_bucket()
+            local = self.fs._strip_protocol(self.path)
+            if os.path.isfile(local):
+                raise StorageError(f"cannot use storage root {self.url}: it is a file, not a folder")
+            self.check_root()
+            return os.path.isdir(local)
+        self.check_root()
         return True

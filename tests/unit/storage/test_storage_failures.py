@@ -94,16 +94,6 @@ def test_unreachable_endpoint_is_a_clear_error(s3_endpoint):
     assert "do-not-print-me" not in str(info.value)
 
 
-def test_local_root_that_is_a_file(tmp_path):
-    blocker = tmp_path / "blocker"
-    blocker.write_text("not a folder")
-    store = RunStore(str(blocker), "proj", "run")
-    with pytest.raises(StorageError, match=rf"cannot write {blocker}/proj/run/steps/00000/a.txt: .*Not a directory"):
-        store.put_bytes(0, "a.txt", b"x")
-    with pytest.raises(StorageError, match=rf"cannot list runs under {blocker}: it does not exist"):
-        list_runs(str(blocker))
-
-
 def _seed_steps(store: RunStore, src) -> None:
     store.put_bytes(0, "trajectories.parquet", b"t0")
     store.upload_folder(0, "adapter", src)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from storage import CorruptManifestError, HashMismatchError, InvalidNameError, NotFoundError, RunStore, StorageError
+from storage import CorruptManifestError, HashMismatchError, NotFoundError, RunStore, StorageError
 
 
 def sha(data: bytes) -> str:
@@ -119,26 +119,6 @@ def test_files_json_listing_and_delete(store_root):
         store.get_bytes(1, "trajectories/g0.parquet")
 
 
-def test_bad_json_is_a_clear_error(store_root, raw_storage):
-    store = RunStore(store_root, "proj", "run")
-    raw_storage.write("proj/run/run.json", b'{"lr": 0.1')
-    with pytest.raises(StorageError, match=r"cannot read .*/proj/run/run.json: not valid JSON"):
-        store.read_run_config()
-    with pytest.raises(TypeError, match="not JSON-serialisable"):
-        store.put_json(0, "x.json", {"f": object()})
-
-
-@pytest.mark.parametrize(
-    "step, relpath",
-    [(0, "manifest.json"), (None, "run.json"), (None, "steps/00001/manifest.json"), (0, "../run.json"), (0, "/etc/x")],
-)
-def test_store_managed_and_escaping_paths_are_refused(store_root, step, relpath):
-    store = RunStore(store_root, "proj", "run")
-    with pytest.raises(InvalidNameError, match=repr(relpath).replace("[", r"\[").replace(".", r"\.")):
-        store.put_bytes(step, relpath, b"forged")
-    assert store.committed_steps() == []
-
-
 def test_committed_files_cannot_change(store_root):
     store = RunStore(store_root, "proj", "run")
     store.put_bytes(0, "a.txt", b"A")
@@ -164,18 +144,6 @@ def test_commit_again_is_idempotent_only_for_identical_content(store_root):
     with pytest.raises(StorageError, match=r"files differ: late.txt"):
         store.commit(4, {"loss": 1.0}, {"policy": "m@4"})
     assert store.read_manifest(4) == first
-
-
-def test_commit_rejects_bad_metrics_and_steps(store_root):
-    store = RunStore(store_root, "proj", "run")
-    with pytest.raises(ValueError, match="metric 'loss' must be a number"):
-        store.commit(0, {"loss": "low"})
-    with pytest.raises(ValueError, match="must be JSON-serialisable"):
-        store.commit(0, {}, {"x": object()})
-    for bad in (-1, 100_000, 1.5, True):
-        with pytest.raises(ValueError, match="step must be an integer"):
-            store.commit(bad)
-    assert store.committed_steps() == []
 
 
 def _make_folder(root) -> dict[str, bytes]:

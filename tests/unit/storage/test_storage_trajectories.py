@@ -9,11 +9,10 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from agents import RecordedException, SampledTurn, Trajectory, TrajectoryGroup
 from agents.trajectory import History
-from storage import RunStore, StorageError
+from storage import RunStore
 
 
 def _turn(prompt, ids, logprobs, content=None, tool_call=None, policy="agent@3", finish="stop") -> SampledTurn:
@@ -140,22 +139,3 @@ print(json.dumps({{
         "logprob0": -0.1234567890123456789,
         "metrics": {"turns": 2, "ok": True, "score": 0.5},
     }
-
-
-def test_bad_trajectory_inputs_are_clear(store_root, raw_storage):
-    store = RunStore(store_root, "proj", "run")
-    huge = TrajectoryGroup([Trajectory(messages_and_choices=[_turn([1], [2**31], [-0.1], content="x")])])
-    with pytest.raises(ValueError, match="token ids must fit int32"):
-        store.write_groups(0, "t.parquet", [huge])
-    with pytest.raises(TypeError, match=r"groups\[0\] is a Trajectory"):
-        store.write_groups(0, "t.parquet", [Trajectory()])
-    assert store.list_files(0) == []
-
-    raw_storage.write("proj/run/steps/00000/garbage.parquet", b"PAR1 not really")
-    with pytest.raises(StorageError, match=r"cannot read trajectories from .*/proj/run/steps/00000/garbage.parquet"):
-        store.read_groups(0, "garbage.parquet")
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"x": [1]}), buf)
-    raw_storage.write("proj/run/steps/00000/foreign.parquet", buf.getvalue())
-    with pytest.raises(StorageError, match="not a trajflow trajectories file"):
-        store.read_groups(0, "foreign.parquet")
