@@ -7,6 +7,8 @@
 - ``store_root``: parametrized ["local", "s3"]: a fresh storage root per test.
 - ``s3_iam_user``: a moto IAM user with full S3 rights, and moto's signature checking switched on
   for the test (switched off again afterwards).
+- ``raw_storage``: out-of-band reads and writes under ``store_root``.
+- ``storage_writes``: every write, move and delete that reaches storage under ``store_root``, in order.
 """
 
 from __future__ import annotations
@@ -172,3 +174,97 @@ def raw_storage(store_root, request) -> RawStorage:
     """Out-of-band reads and writes under ``store_root`` (to tamper, truncate, or look at the layout)."""
     client = request.getfixturevalue("s3_client") if store_root.startswith("s3://") else None
     return RawStorage(store_root, client)
+
+
+class StorageWrites:
+    """Every change that reaches storage under a root, recorded where the bytes land, below the store.
+
+    Local: a file appearing under its final name (``os.replace``/``os.rename``/``os.link`` onto it, or
+    ``open`` in a writing mode on it; the temporary files of atomic writes are not final names) and
+    ``os.unlink``/``os.remove``. S3: every writing or deleting S3 call s3fs makes (``put_object``,
+    ``copy_object``, ``complete_multipart_upload``, ``delete_object(s)``). Each event is
+    ``(operation, path relative to the root)``.
+    """
+
+    S3_CALLS = ("put_object", "copy_object", "complete_multipart_upload", "delete_object", "delete_objects")
+
+    def __init__(self, root: str):
+        self.root = root
+        self.events: list[tuple[str, str]] = []
+        if root.startswith("s3://"):
+            self.bucket, _, self.prefix = root[len("s3://"):].partition("/")
+        else:
+            self.folder = root[len("file://"):] if root.startswith("file://") else root
+
+    def _local(self, op: str, path) -> None:
+        import os
+
+        from storage.names import is_temp_name
+
+        path = os.path.abspath(os.fspath(path))
+        if path.startswith(self.folder.rstrip("/") + "/") and not is_temp_name(os.path.basename(path)):
+            self.events.append((op, path[len(self.folder.rstrip("/")) + 1:]))
+
+    def _s3(self, method: str, kwargs: dict) -> None:
+        deleted = kwargs.get("Delete", {}).get("Objects", [])
+        keys = [kwargs.get("Key")] if "Key" in kwargs else [o["Key"] for o in deleted]
+        for key in keys:
+            if kwargs.get("Bucket") == self.bucket and key and key.startswith(self.prefix + "/"):
+                self.events.append((method, key[len(self.prefix) + 1:]))
+
+    def install(self, monkeypatch) -> StorageWrites:
+        if not self.root.startswith("s3://"):
+            import builtins
+            import os
+
+            recorder = self
+            for name in ("replace", "rename", "link"):
+                original = getattr(os, name)
+
+                def move(src, dst, *args, _original=original, _name=name, **kwargs):
+                    result = _original(src, dst, *args, **kwargs)
+                    recorder._local(_name, dst)
+                    return result
+
+                monkeypatch.setattr(os, name, move)
+            for name in ("unlink", "remove"):
+                original = getattr(os, name)
+
+                def remove(path, *args, _original=original, _name=name, **kwargs):
+                    result = _original(path, *args, **kwargs)
+                    recorder._local(_name, path)
+                    return result
+
+                monkeypatch.setattr(os, name, remove)
+            real_open = builtins.open
+
+            def opener(file, mode="r", *args, **kwargs):
+                handle = real_open(file, mode, *args, **kwargs)
+                if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+                    recorder._local("open", file)
+                return handle
+
+            monkeypatch.setattr(builtins, "open", opener)
+        else:
+            import s3fs
+
+            original_call = s3fs.S3FileSystem._call_s3
+            recorder = self
+
+            async def call_s3(fs, method, *args, **kwargs):
+                result = await original_call(fs, method, *args, **kwargs)
+                if method in StorageWrites.S3_CALLS:
+                    recorder._s3(method, kwargs)
+                return result
+
+            monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+        return self
+
+    def paths(self) -> list[str]:
+        return [path for _, path in self.events]
+
+
+@pytest.fixture
+def storage_writes(store_root, monkeypatch) -> StorageWrites:
+    """A :class:`StorageWrites` recording under ``store_root`` for the rest of the test."""
+    return StorageWrites(store_root).install(monkeypatch)
