@@ -15,8 +15,16 @@ class AlreadyExistsError(StorageError):
     """An exclusive create found the file already there (e.g. another writer committed the step first)."""
 
 
-class CorruptManifestError(StorageError):
-    """A step manifest exists but cannot be parsed or validated; the step does not count as committed."""
+class CorruptManifestError(NotFoundError):
+    """A step manifest exists but cannot be parsed or validated: the step is not committed.
+
+    A NotFoundError, so every reader treats the step as uncommitted. ``removed``: the corrupt file is no
+    longer at ``manifest.json`` (the store moved it aside); False when it could not be moved.
+    """
+
+    def __init__(self, message: str, removed: bool = False):
+        super().__init__(message)
+        self.removed = removed
 
 
 class HashMismatchError(StorageError):

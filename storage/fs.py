@@ -267,6 +267,19 @@ class Location:
                 pass
             raise
 
+    def move(self, rel: str, new_rel: str) -> None:
+        """Move a file to a new name (local: one rename; S3: copy, then delete). NotFoundError if it is gone."""
+        try:
+            with self.wrap("move", rel):
+                if self.is_local:
+                    os.rename(self.fs._strip_protocol(self.full(rel)), self.fs._strip_protocol(self.full(new_rel)))
+                else:
+                    self.fs.copy(self.full(rel), self.full(new_rel))
+                    self.fs.rm_file(self.full(rel))
+                    self.fs.invalidate_cache(self.path)
+        except NotFoundError:
+            raise self._not_found("move", rel) from None
+
     def delete(self, rels: list[str]) -> None:
         for rel in rels:
             with self.wrap("delete", rel):

@@ -3,6 +3,8 @@
 ```
 <root>/<project>/<run>/run.json                          the run's config
 <root>/<project>/<run>/steps/<NNNNN>/manifest.json       written last; without it the step does not exist
+                                     manifest.json.corrupt-<UTC stamp>   a manifest a reader found corrupt,
+                                                         moved aside (the step is not committed; it is redone)
 <root>/<project>/<run>/steps/<NNNNN>/scenarios.json      the step's sampled scenarios
                                      groups/<NNNN>.parquet   one rollout group each, stored as it finishes
                                      scored.parquet      the scored groups the update trained on
@@ -29,6 +31,7 @@ from storage.names import InvalidNameError, safe_relpath
 RUN_CONFIG = "run.json"
 STEPS_DIR = "steps"
 MANIFEST = "manifest.json"
+CORRUPT_MANIFEST_PREFIX = f"{MANIFEST}.corrupt-"
 MAX_STEP = 99_999
 
 # inside a step
@@ -101,6 +104,11 @@ def parse_step_dir(name: str) -> int | None:
     return int(name) if len(name) == 5 and name.isdigit() else None
 
 
+def is_store_managed(relpath: str) -> bool:
+    """True for the step files only the store writes: ``manifest.json`` and its quarantined copies."""
+    return relpath == MANIFEST or relpath.startswith(CORRUPT_MANIFEST_PREFIX)
+
+
 def file_rel(step: int | None, relpath: str) -> str:
     """Path relative to the run of a user file; refuses the names the store itself manages."""
     safe_relpath(relpath)
@@ -110,10 +118,18 @@ def file_rel(step: int | None, relpath: str) -> str:
                 f"invalid run-level path {relpath!r}: {RUN_CONFIG!r} and {STEPS_DIR + '/'!r} are managed by the store"
             )
         return relpath
-    if relpath == MANIFEST:
-        raise InvalidNameError(f"invalid step path {relpath!r}: {MANIFEST!r} is written only by commit()")
+    if is_store_managed(relpath):
+        raise InvalidNameError(
+            f"invalid step path {relpath!r}: {MANIFEST!r} (and {CORRUPT_MANIFEST_PREFIX + '*'!r}) is written only by "
+            f"the store"
+        )
     return f"{step_dir(step)}/{relpath}"
 
 
 def manifest_rel(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST}"
+
+
+def quarantined_manifest_rel(step: int, stamp: str) -> str:
+    """Where a corrupt manifest is moved: ``steps/00007/manifest.json.corrupt-20260101T120000123456Z``."""
+    return f"{step_dir(step)}/{CORRUPT_MANIFEST_PREFIX}{stamp}"

@@ -9,6 +9,12 @@ in the manifest). See :mod:`storage.layout` for the layout.
 
 Hashes at commit: a file this RunStore instance wrote is hashed as it is written, and trusted when
 its stored size is unchanged; any other file is read back and hashed.
+
+A corrupt manifest (truncated, overwritten, forged) commits nothing, for every reader alike: the first
+reader that finds it moves it aside to ``manifest.json.corrupt-<UTC stamp>`` and logs why, so listings,
+reads, downloads and the next commit all see an uncommitted step, which a resumed run redoes. The move
+is checked afterwards: had a commit replaced the manifest in between, the moved bytes are not the ones
+found corrupt and are put back.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import logging
 import os
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,14 +31,15 @@ from storage.errors import AlreadyExistsError, CorruptManifestError, HashMismatc
 from storage.fs import Location, normalize_root, sha256_bytes, sha256_local
 from storage.layout import (
     ADAPTER_DIR,
-    MANIFEST,
     RUN_CONFIG,
     STEPS_DIR,
     TRAINER_STATE_DIR,
     check_step,
     file_rel,
+    is_store_managed,
     manifest_rel,
     parse_step_dir,
+    quarantined_manifest_rel,
     step_dir,
 )
 from storage.manifest import (
@@ -95,7 +103,7 @@ class RunStore:
         return self._loc.url_of(step_dir(step))
 
     def manifests(self) -> dict[int, StepManifest]:
-        """Every valid manifest by step. Corrupt ones are logged and left out (those steps are not committed)."""
+        """Every valid manifest by step. Corrupt ones are moved aside and left out (those steps are not committed)."""
         steps = [s for s in (parse_step_dir(n) for n in self._loc.list_dirs(STEPS_DIR)) if s is not None]
         got = self._loc.read_many([manifest_rel(s) for s in steps])
         out: dict[int, StepManifest] = {}
@@ -106,9 +114,9 @@ class RunStore:
             if isinstance(value, StorageError):
                 raise value
             try:
-                out[step] = parse_manifest(value, self._loc.url_of(manifest_rel(step)), step)
-            except CorruptManifestError as exc:
-                log.warning("step %d is not committed: %s", step, exc)
+                out[step] = self._parse_manifest(step, value)
+            except CorruptManifestError:
+                continue
         return dict(sorted(out.items()))
 
     def committed_steps(self) -> list[int]:
@@ -120,13 +128,45 @@ class RunStore:
         return steps[-1] if steps else None
 
     def read_manifest(self, step: int) -> StepManifest:
-        """The manifest of a committed step; NotFoundError if uncommitted, CorruptManifestError if invalid."""
+        """The manifest of a committed step; NotFoundError if uncommitted, CorruptManifestError (a NotFoundError)
+        if it was invalid and has been moved aside."""
         rel = manifest_rel(step)
         try:
             data = self._loc.read_bytes(rel, small=True)
         except NotFoundError:
             raise NotFoundError(f"step {step} is not committed: {self._loc.url_of(rel)} does not exist") from None
-        return parse_manifest(data, self._loc.url_of(rel), step)
+        return self._parse_manifest(step, data)
+
+    def _parse_manifest(self, step: int, data: bytes) -> StepManifest:
+        """The manifest in ``data``; if it is corrupt, move it aside, log why and raise CorruptManifestError."""
+        try:
+            return parse_manifest(data, self._loc.url_of(manifest_rel(step)), step)
+        except CorruptManifestError as exc:
+            removed, where = self._quarantine(step, data)
+            log.warning("step %d is not committed, it will be redone: %s; %s", step, exc, where)
+            raise CorruptManifestError(f"step {step} is not committed: {exc}; {where}", removed=removed) from None
+
+    def _quarantine(self, step: int, data: bytes) -> tuple[bool, str]:
+        """Move a corrupt manifest (``data``) aside: (whether it is gone from its place, what happened)."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        rel, aside = manifest_rel(step), quarantined_manifest_rel(step, stamp)
+        try:
+            self._loc.move(rel, aside)
+        except NotFoundError:
+            return True, "another reader moved it aside first"
+        except StorageError as exc:  # e.g. read-only credentials: the step still counts as not committed
+            return False, f"it stays in place, it could not be moved aside ({exc})"
+        try:
+            moved = self._loc.read_bytes(aside, small=True)
+            if moved != data:  # a commit replaced it between our read and the move: put that one back
+                self._loc.write_bytes(rel, moved, exclusive=True)
+                self._loc.delete([aside])
+                return False, "a commit replaced it meanwhile; that manifest was left in place"
+        except AlreadyExistsError:
+            pass
+        except StorageError as exc:
+            log.warning("step %d: cannot check the manifest moved to %s: %s", step, self._loc.url_of(aside), exc)
+        return True, f"moved aside to {self._loc.url_of(aside)}"
 
     def is_committed(self, step: int) -> bool:
         return self._manifest_or_none(step) is not None
@@ -135,7 +175,7 @@ class RunStore:
         """The valid manifest, or None when absent or corrupt (a corrupt manifest commits nothing)."""
         try:
             return self.read_manifest(step)
-        except (NotFoundError, CorruptManifestError):
+        except NotFoundError:
             return None
 
     # ---- files ---------------------------------------------------------------------------------
@@ -218,7 +258,8 @@ class RunStore:
     def list_files(self, step: int | None, prefix: str = "") -> list[str]:
         """Sorted relative paths of the files of a step (or of the run-level area) starting with ``prefix``.
 
-        The store's own files (``manifest.json``; at run level ``run.json`` and ``steps/``) are not listed.
+        The store's own files (``manifest.json`` and its quarantined copies; at run level ``run.json`` and
+        ``steps/``) are not listed.
         """
         safe_prefix(prefix)
         base = step_dir(step) if step is not None else ""
@@ -230,7 +271,7 @@ class RunStore:
         if step is None:
             rels = [r for r in rels if r != RUN_CONFIG and not r.startswith(STEPS_DIR + "/")]
         else:
-            rels = [r for r in rels if r != MANIFEST]
+            rels = [r for r in rels if not is_store_managed(r)]
         return sorted(r for r in rels if r.startswith(prefix))
 
     def delete(self, step: int | None, relpath: str) -> None:
@@ -334,7 +375,7 @@ class RunStore:
         base = step_dir(step)
         files: dict[str, FileEntry] = {}
         for rel, size in sorted(self._loc.find(base).items()):
-            if rel == MANIFEST:
+            if is_store_managed(rel):
                 continue
             try:
                 safe_relpath(rel)
@@ -365,11 +406,10 @@ class RunStore:
         )
         try:
             existing, absent = self.read_manifest(step), False
+        except CorruptManifestError as exc:
+            existing, absent = None, exc.removed  # one that could not be moved aside is replaced in place
         except NotFoundError:
             existing, absent = None, True
-        except CorruptManifestError as exc:
-            log.warning("step %d: replacing a corrupt manifest: %s", step, exc)
-            existing, absent = None, False
         if existing is None:
             try:
                 # exclusive when absent: of two writers committing the same step, one wins
@@ -429,7 +469,8 @@ class RunStore:
         for step, manifest in manifests.items():
             if step in keep:
                 continue
-            stored = [r for r in self._loc.find(step_dir(step)) if r != MANIFEST and r.startswith(tuple(prune))]
+            stored = [r for r in self._loc.find(step_dir(step))
+                      if not is_store_managed(r) and r.startswith(tuple(prune))]
             listed = [r for r in manifest.files if r.startswith(tuple(prune))]
             if not stored and not listed:
                 continue

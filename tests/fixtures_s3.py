@@ -9,12 +9,14 @@
   for the test (switched off again afterwards).
 - ``raw_storage``: out-of-band reads and writes under ``store_root``.
 - ``storage_writes``: every write, move and delete that reaches storage under ``store_root``, in order.
+- ``adapter_src``: a local folder shaped like an adapter (a config and 200 kB of random weights) to upload.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import urllib.request
 import uuid
 
@@ -170,6 +172,15 @@ class RawStorage:
 
 
 @pytest.fixture
+def adapter_src(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "adapter_config.json").write_bytes(b'{"r": 8}')
+    (src / "adapter_model.safetensors").write_bytes(os.urandom(200_000))
+    return src
+
+
+@pytest.fixture
 def raw_storage(store_root, request) -> RawStorage:
     """Out-of-band reads and writes under ``store_root`` (to tamper, truncate, or look at the layout)."""
     client = request.getfixturevalue("s3_client") if store_root.startswith("s3://") else None
@@ -197,8 +208,6 @@ class StorageWrites:
             self.folder = root[len("file://"):] if root.startswith("file://") else root
 
     def _local(self, op: str, path) -> None:
-        import os
-
         from storage.names import is_temp_name
 
         path = os.path.abspath(os.fspath(path))
@@ -215,7 +224,6 @@ class StorageWrites:
     def install(self, monkeypatch) -> StorageWrites:
         if not self.root.startswith("s3://"):
             import builtins
-            import os
 
             recorder = self
             for name in ("replace", "rename", "link"):

@@ -8,10 +8,6 @@ S3 (tests/fixtures_s3.py: StorageWrites).
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from storage import RunStore
 from storage.layout import MANIFEST
 
@@ -20,15 +16,6 @@ def _step_files(store: RunStore, step: int, adapter_src) -> None:
     store.put_bytes(step, "scored.parquet", f"groups of step {step}".encode())
     store.put_json(step, "training.json", {"loss": 0.5})
     store.upload_folder(step, "adapter", adapter_src)
-
-
-@pytest.fixture
-def adapter_src(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "adapter_config.json").write_bytes(b'{"r": 8}')
-    (src / "adapter_model.safetensors").write_bytes(os.urandom(100_000))
-    return src
 
 
 def test_commit_writes_the_manifest_once_and_last(store_root, storage_writes, adapter_src):

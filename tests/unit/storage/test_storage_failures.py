@@ -114,15 +114,6 @@ def _check_after_crash(root: str, src, tmp_path) -> RunStore:
     return store
 
 
-@pytest.fixture
-def adapter_src(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "adapter_config.json").write_bytes(b'{"r": 8}')
-    (src / "adapter_model.safetensors").write_bytes(os.urandom(200_000))
-    return src
-
-
 def test_exception_while_writing_the_manifest(store_root, adapter_src, tmp_path, monkeypatch):
     store = RunStore(store_root, "proj", "run")
     _seed_steps(store, adapter_src)
