@@ -143,7 +143,7 @@ def test_scores_reach_the_scores_endpoint_with_stable_ids(make_tracer, sink):
     assert judge["value"] == 0.8 and judge["comment"] == "judge m: score 0.800 - right answer"
 
 
-def test_keys_and_token_data_never_leave_in_spans_or_payloads(make_tracer, sink):
+def test_keys_never_leave_in_spans_or_payloads(make_tracer, sink):
     tracer, exporter, env = make_tracer()
     with tracer.rollout_trace("run-a", 1, "s", 0, input={"note": f"key is {SECRET}"}, metadata={"k": SECRET}) as trace:
         trace.generation("policy.chat", "agent@1", input=[{"role": "user", "content": SECRET}], output={"x": 1})
@@ -154,9 +154,54 @@ def test_keys_and_token_data_never_leave_in_spans_or_payloads(make_tracer, sink)
     sent = json.dumps([r["json"] for r in sink.requests]) + "".join(r["path"] for r in sink.requests)
     for blob in (exported, sent):
         assert SECRET not in blob and env["LANGFUSE_PUBLIC_KEY"] not in blob
-        assert "424242" not in blob and "0.987654" not in blob
     assert "[redacted]" in exported and "[redacted]" in sent
     assert SECRET not in repr(tracer)
+
+
+TOKEN_KEYS = ("token_ids", "prompt_token_ids", "logprobs", "top_logprobs")
+
+
+async def test_sampled_turns_leave_without_token_ids_and_logprobs(make_tracer, sink, tiny_server):
+    """Real sampled turns (the embedded server through the policy client, logprobs and top_logprobs on) in
+    every form a rollout may hand the tracer: the openai Choice, its dict, the whole response, the
+    trajectory's JSON with its SampledTurn dicts. Their token data must be stripped before anything leaves."""
+    from agents.client import policy_client
+    from tests.fixtures_server import API_KEY
+
+    client = policy_client(tiny_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    try:
+        response = await client.chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": "2+2?"}], max_tokens=6, seed=3,
+            logprobs=True, top_logprobs=2)
+    finally:
+        await client.close()
+    choice = response.choices[0]
+    traj = Trajectory(messages_and_choices=[{"role": "user", "content": "2+2?"}, choice], reward=1.0)
+    turn = traj.messages_and_choices[-1]
+    payloads = {"choice": choice, "choice dict": choice.model_dump(), "response": response,
+                "trajectory": traj.to_json_dict(), "sampled turns": traj.to_json_dict()["messages_and_choices"]}
+    for name, payload in payloads.items():  # the token data is really in what is sent
+        text = json.dumps(payload, default=lambda o: o.model_dump())
+        assert all(key in text for key in ("token_ids", "logprobs")), name
+    assert turn.token_ids and turn.prompt_token_ids and len(turn.logprobs) == len(turn.token_ids)
+
+    tracer, exporter, _ = make_tracer()
+    with tracer.rollout_trace("run-a", 2, "sum", 0, input=payloads["sampled turns"]) as trace:
+        for name, payload in payloads.items():
+            trace.generation(name, "tiny-random", input=payload, output=payload)
+        trace.update(output=payloads["trajectory"], metadata={"last": payloads["choice dict"]})
+    tracer.generation("outside", "tiny-random", trace_id=trace.trace_id, input=payloads["response"])
+    tracer.flush()
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 1 + len(payloads) + 1
+    exported = json.dumps([dict(s.attributes) for s in spans])
+    sent = json.dumps([r["json"] for r in sink.requests])
+    assert "2+2?" in exported  # the messages themselves do leave
+    for blob in (exported, sent):
+        for key in TOKEN_KEYS:
+            assert key not in blob, key
+        for value in turn.logprobs:
+            assert repr(value) not in blob
 
 
 def test_spans_reach_the_otlp_endpoint(make_tracer, sink):
