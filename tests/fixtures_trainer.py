@@ -73,6 +73,54 @@ def synthetic_group(rewards, prompt=(5, 6, 7), completion_len: int = 3, scenario
     return TrajectoryGroup(trajs, scenario_id=scenario_id)
 
 
+def record_gradients(trainer) -> list[dict[str, torch.Tensor]]:
+    """The LoRA gradients, by parameter name, of each optimizer step the trainer takes from now on (as the
+    optimizer sees them: accumulated over micro-batches, after clipping)."""
+    names = {id(p): n for n, p in trainer.model.named_parameters() if "lora_" in n}
+    steps: list[dict[str, torch.Tensor]] = []
+
+    def before_step(optimizer, args, kwargs):
+        steps.append({names[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
+                      for p in group["params"] if p.grad is not None and id(p) in names})
+
+    trainer.optimizer.register_step_pre_hook(before_step)
+    return steps
+
+
+GRAD_RTOL = 1e-4
+ADAM_RTOL = 0.02
+
+
+def assert_same_gradients(got: list[dict], want: list[dict], where: str = "") -> None:
+    """Every step's gradients agree within GRAD_RTOL of each tensor's largest entry.
+
+    Summing the same terms in another order (fused kernels, packing, checkpointing) moves a float32
+    gradient by about 1e-6 of its scale, so 1e-4 leaves room for rounding and none for a wrong term.
+    (Inputs whose gradients cancel, e.g. two groups with mirrored rewards, leave only rounding noise:
+    no comparison of that is meaningful, and the tests do not use them.)
+    """
+    assert len(got) == len(want) > 0, (where, len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys(), (where, step)
+        for name, ref in w.items():
+            torch.testing.assert_close(g[name], ref, rtol=0, atol=GRAD_RTOL * float(ref.abs().max()),
+                                       msg=lambda m, name=name, step=step: f"{where} step {step} {name}: {m}")
+
+
+def assert_same_adam_updates(got: dict, want: dict, learning_rate: float, steps: int, where: str = "") -> None:
+    """LoRA weights after ``steps`` Adam steps agree within ADAM_RTOL of the distance Adam can move them.
+
+    Adam moves each weight by about ``learning_rate`` per step whatever its gradient's size (m/sqrt(v)), so
+    rounding in a near-zero gradient entry shows up as a fraction of ``learning_rate``, not of the
+    gradient; a fixed atol (1e-6 with lr 1e-3) sat at the edge of that. The gradients themselves are
+    compared with assert_same_gradients; this checks the updates landed on the same parameters.
+    """
+    assert got.keys() == want.keys(), where
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=ADAM_RTOL * learning_rate * steps,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path):
     """(model, tokenizer) of the tiny random model, fp32 CPU, for sampling conversations."""

@@ -7,7 +7,12 @@ from backends.training.config import TrainerConfig
 from backends.training.kernels.fused_lora import lora_linear
 from backends.training.logprobs import chunked_logprobs, full_logprobs
 from backends.training.trainer import GRPOTrainer
-from tests.fixtures_trainer import synthetic_group
+from tests.fixtures_trainer import (
+    assert_same_adam_updates,
+    assert_same_gradients,
+    record_gradients,
+    synthetic_group,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -39,9 +44,10 @@ def test_fused_trainer_step_equals_peft_and_falls_back_where_it_must(tiny_model_
     runs = {}
     for mode in ("off", "on"):
         trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora=mode, **cfg))
+        grads = record_gradients(trainer)
         first = trainer.train_step(groups)  # KL shaping runs the adapter-disabled reference through peft
         second = trainer.train_step(groups)
-        runs[mode] = (trainer, first, second, _lora_state(trainer))
+        runs[mode] = (trainer, first, second, _lora_state(trainer), grads)
     assert runs["off"][0].fused_lora_layers == 0
     assert runs["on"][0].fused_lora_layers == 14  # 2 layers x 7 linear projections
     for step in (1, 2):
@@ -49,8 +55,8 @@ def test_fused_trainer_step_equals_peft_and_falls_back_where_it_must(tiny_model_
         for key in ("loss", "grad_norm", "entropy", "kl_policy_ref", "mismatch_kl"):
             assert ours[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (step, key)
     assert runs["on"][2]["kl_policy_ref"] != 0.0  # the reference really was the adapter-off model
-    for n, w in runs["off"][3].items():
-        assert torch.allclose(runs["on"][3][n], w, atol=1e-6), n
+    assert_same_gradients(runs["on"][4], runs["off"][4], "fused LoRA")
+    assert_same_adam_updates(runs["on"][3], runs["off"][3], cfg["learning_rate"], 2, "fused LoRA")
     # same function outside training too, and peft's path is used when adapters are switched off
     trainer_on, trainer_off = runs["on"][0], runs["off"][0]
     prompt, completion = [5, 6, 7, 8], [10, 11, 12]

@@ -10,7 +10,12 @@ from backends.training.kernels.fused_lora import LoraParts
 from backends.training.kernels.lean_ops import lora_swiglu
 from backends.training.trainer import GRPOTrainer
 from benchmarks.activation_memory import saved_activation_bytes
-from tests.fixtures_trainer import synthetic_group
+from tests.fixtures_trainer import (
+    assert_same_adam_updates,
+    assert_same_gradients,
+    record_gradients,
+    synthetic_group,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -67,17 +72,18 @@ def test_trainer_step_with_lean_ops_equals_stock(tiny_model_path, fused):
     runs = {}
     for lean in ("off", "on"):
         trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(memory_efficient_ops=lean, **cfg))
+        grads = record_gradients(trainer)
         metrics = [trainer.train_step(groups) for _ in range(2)]
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-        runs[lean] = (trainer, metrics, weights)
+        runs[lean] = (trainer, metrics, weights, grads)
     assert runs["off"][0].patched_ops == {}
     assert runs["on"][0].patched_ops == {"rms_norm": 5, "swiglu": 2}  # 2 layers x 2 norms + final norm
     for step in (0, 1):
         ref, ours = runs["off"][1][step], runs["on"][1][step]
         for key in ("loss", "grad_norm", "entropy", "kl_policy_ref", "mismatch_kl"):
             assert ours[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (step, key)
-    for n, w in runs["off"][2].items():
-        assert torch.allclose(runs["on"][2][n], w, atol=1e-6), n
+    assert_same_gradients(runs["on"][3], runs["off"][3], f"lean ops, fused_lora={fused}")
+    assert_same_adam_updates(runs["on"][2], runs["off"][2], cfg["learning_rate"], 2, f"lean ops, fused_lora={fused}")
 
 
 def test_old_boolean_setting_still_reads():

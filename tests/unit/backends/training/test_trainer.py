@@ -9,7 +9,13 @@ import torch
 from agents.trajectory import Trajectory, TrajectoryGroup
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer, lr_factor
-from tests.fixtures_trainer import synthetic_group, synthetic_turn
+from tests.fixtures_trainer import (
+    assert_same_adam_updates,
+    assert_same_gradients,
+    record_gradients,
+    synthetic_group,
+    synthetic_turn,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -57,18 +63,19 @@ def test_packed_micro_batches_and_checkpointing_give_the_same_step(tiny_model_pa
         "lean_ops": dict(micro_batch_tokens=4096, memory_efficient_ops=True),
     }.items():
         trainer = _trainer(tiny_model_path, learning_rate=1e-3, **cfg)
-        results[name] = (trainer.train_step(groups), _lora_state(trainer))
+        grads = record_gradients(trainer)
+        results[name] = (trainer.train_step(groups), _lora_state(trainer), grads)
         if name == "lean_ops":
             assert trainer.patched_ops == {"rms_norm": 5, "swiglu": 2}  # 2 layers x 2 norms + final norm
-    ref_m, ref_w = results["one_row_each"]
+    ref_m, ref_w, ref_g = results["one_row_each"]
     assert ref_m["micro_batches"] == ref_m["rows"] == 8
     for name in ("packed", "checkpointed", "lean_ops"):
-        m, w = results[name]
+        m, w, g = results[name]
         assert m["micro_batches"] < ref_m["micro_batches"]
         for key in ("loss", "grad_norm", "entropy", "trained_tokens", "mismatch_kl"):
             assert m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-7), (name, key)
-        for n in ref_w:
-            assert torch.allclose(w[n], ref_w[n], atol=1e-6), (name, n)
+        assert_same_gradients(g, ref_g, name)
+        assert_same_adam_updates(w, ref_w, 1e-3, 1, name)
 
 
 def test_memory_efficient_ops_match_autograd():
