@@ -1,24 +1,22 @@
 """The judge once against the real embedded inference server on tiny-random: the plumbing, not the scores.
 
 The embedded engine rejects ``response_format`` (400), so this also exercises the plain-text fallback.
-A random model writes nonsense, so the judge is expected to fail to parse and, with ``on_failure="keep"``,
-to keep the agent's rewards and mark the group; what is tested is that the request reaches a real
-server through the real client and the whole path ends cleanly.
+Greedy decoding of a random model writes the same nonsense on every run: the judge fails to parse it on
+each attempt and, with ``on_failure="keep"``, keeps the agent's rewards and marks the group. What is
+tested is that the request reaches a real server through the real client and the whole path ends
+cleanly, on one known path (the success path is tested against scripted servers).
 """
 
 import pytest
 
 from agents.judge import JudgeConfig, judge_group
+from backends.serving.app import start_server
 from tests.fixtures_judge import make_group
-
-server_mod = pytest.importorskip("backends.serving.app", reason="backends.serving.app (embedded inference server) not available")
 
 
 @pytest.fixture
 def embedded_server(tiny_model_path):
-    if not hasattr(server_mod, "start_server"):
-        pytest.skip("backends.serving.app has no start_server yet")
-    handle = server_mod.start_server(model="tiny-random", port=0)
+    handle = start_server(model="tiny-random", port=0)
     try:
         yield handle
     finally:
@@ -26,18 +24,16 @@ def embedded_server(tiny_model_path):
 
 
 async def test_judge_against_embedded_tiny_random_server_keeps_rewards_on_nonsense(embedded_server):
-    base_url = getattr(embedded_server, "base_url", None) or embedded_server.url
-    if not base_url.rstrip("/").endswith("/v1"):
-        base_url = base_url.rstrip("/") + "/v1"
-    config = JudgeConfig(model="tiny-random", base_url=base_url, max_tokens=24, temperature=1.0,
+    config = JudgeConfig(model="tiny-random", base_url=embedded_server.base_url, max_tokens=24, temperature=0.0,
                          max_attempts=2, backoff_s=0.0, timeout_s=120, on_failure="keep")
     group = make_group(["4", "5"], rewards=[1.0, 0.0])
     scored = await judge_group(group, config)
     assert len(scored.trajectories) == 2
-    assert scored.metrics["judge_requests"] >= 1 and scored.metrics["judge_prompt_tokens"] > 0  # a real model read it
+    # one request refused for its response_format (400), then two plain-text attempts, each unparseable
+    assert scored.metrics["judge_requests"] == 3 and scored.metrics["judge_prompt_tokens"] > 0  # a real model read it
+    assert scored.metrics["judge_failed"] == 1
+    assert scored.rewards == [1.0, 0.0]
     assert [t.metrics["independent_reward"] for t in scored.trajectories] == [1.0, 0.0]
-    if scored.metrics["judge_failed"]:
-        assert scored.rewards == [1.0, 0.0]
-        assert "failed to score group sum-1" in scored.logs[-1]
-    else:  # a random model that happened to write valid JSON: the scores are still validated
-        assert all(0.0 <= r <= 1.0 for r in scored.rewards)
+    assert all(t.metrics["judge_failed"] == 1 and "judge_score" not in t.metrics for t in scored.trajectories)
+    assert "failed to score group sum-1" in scored.logs[-1]
+    assert "rejected response_format json_schema" in " ".join(scored.logs)
