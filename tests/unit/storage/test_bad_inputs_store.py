@@ -10,7 +10,10 @@ Covered by their own tests (they need more than one call):
 - a missing bucket on every operation, wrong credentials, an unreachable endpoint, a commit killed or
   failing while it writes the manifest: tests/unit/storage/test_storage_failures.py;
 - a file changed after its step was committed: test_tampered_file_fails_verification_and_names_the_file
-  and test_committed_files_cannot_change in tests/unit/storage/test_storage_store.py.
+  and test_committed_files_cannot_change in tests/unit/storage/test_storage_store.py;
+- a corrupt manifest.json (truncated, empty, not UTF-8, wrong shape, another step's, a path escaping the
+  step), found by any reader, moved aside and the step redone: tests/unit/storage/test_storage_corrupt_manifest.py
+  and, through a resumed flow, tests/integration/test_resume_corrupt_manifest.py.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def _store_cases():
          r"invalid relative path '\.\./run\.json'"),
         ("path escapes the run", lambda s: s.put_bytes(None, "../../other/run.json", b"x"), InvalidNameError,
          r"'\.\.' is not allowed"),
-        ("absolute path", lambda s: s.put_bytes(0, "/etc/passwd", b"x"), InvalidNameError, "absolute paths are not allowed"),
+        ("absolute path", lambda s: s.put_bytes(0, "/etc/passwd", b"x"),
+         InvalidNameError, "absolute paths are not allowed"),
         ("NUL in a path", lambda s: s.put_bytes(0, "a\x00b", b"x"), InvalidNameError, "control characters"),
         ("backslash in a path", lambda s: s.get_bytes(0, "..\\x"), InvalidNameError, "backslashes are not allowed"),
         ("temp-file name", lambda s: s.put_bytes(0, ".a.tmp-" + "0" * 32, b"x"), InvalidNameError,
@@ -121,25 +125,30 @@ def _store_cases():
          InvalidNameError, "is written only by the store"),
         ("run.json as a file", lambda s: s.put_bytes(None, "run.json", b"{}"), InvalidNameError,
          "'run.json' and 'steps/' are managed by the store"),
-        ("a step's file at run level", lambda s: s.put_bytes(None, "steps/00001/manifest.json", b"{}"), InvalidNameError,
+        ("a step's file at run level", lambda s: s.put_bytes(None, "steps/00001/manifest.json", b"{}"),
+         InvalidNameError,
          "managed by the store"),
         ("download escapes", lambda s: s.download_folder(0, "../..", "/tmp/never"), InvalidNameError, r"'\.\.'"),
         ("listing prefix escapes", lambda s: s.list_files(0, "../"), InvalidNameError, r"'\.\.'"),
         ("pruning prefix escapes", lambda s: s.apply_retention(1, prune=("../",)), InvalidNameError, r"'\.\.'"),
         ("path not a string", lambda s: s.put_bytes(0, None, b"x"), InvalidNameError, "must be a non-empty string"),
-        ("step negative", lambda s: s.put_bytes(-1, "a.txt", b"x"), ValueError, r"step must be an integer in \[0, 99999\]"),
+        ("step negative", lambda s: s.put_bytes(-1, "a.txt", b"x"),
+         ValueError, r"step must be an integer in \[0, 99999\]"),
         ("step too large", lambda s: s.commit(100_000), ValueError, "step must be an integer"),
         ("step a float", lambda s: s.commit(1.5), ValueError, "step must be an integer"),
         ("step a bool", lambda s: s.commit(True), ValueError, "step must be an integer"),
         ("step a string", lambda s: s.get_bytes("3", "a.txt"), ValueError, "step must be an integer"),
-        ("text instead of bytes", lambda s: s.put_bytes(0, "a.txt", "text"), TypeError, "put_bytes needs bytes .* got str"),
+        ("text instead of bytes", lambda s: s.put_bytes(0, "a.txt", "text"),
+         TypeError, "put_bytes needs bytes .* got str"),
         ("run config not a dict", lambda s: s.write_run_config(["x"]), TypeError, "run config must be a dict"),
         ("value not JSON", lambda s: s.put_json(0, "x.json", {"f": object()}), TypeError, "not JSON-serialisable"),
         ("metric not a number", lambda s: s.commit(0, {"loss": "low"}), ValueError, "metric 'loss' must be a number"),
-        ("metric without a name", lambda s: s.commit(0, {"": 1.0}), ValueError, "metric names must be non-empty strings"),
+        ("metric without a name", lambda s: s.commit(0, {"": 1.0}),
+         ValueError, "metric names must be non-empty strings"),
         ("extra not JSON", lambda s: s.commit(0, {}, {"x": object()}), ValueError, "must be JSON-serialisable"),
         ("extra with a tuple", lambda s: s.commit(0, {}, {"x": (1, 2)}), ValueError, "plain JSON"),
-        ("amend a step never committed", lambda s: s.amend_metrics(3, {"r": 1.0}), StorageError, "step 3 is not committed"),
+        ("amend a step never committed", lambda s: s.amend_metrics(3, {"r": 1.0}),
+         StorageError, "step 3 is not committed"),
         ("upload a missing folder", lambda s: s.upload_folder(0, "adapter", "/nonexistent-folder"), StorageError,
          "cannot upload /nonexistent-folder: it is not a folder"),
         ("download nothing", lambda s: s.download_folder(0, "adapter", "/tmp/never"), StorageError,
@@ -148,7 +157,8 @@ def _store_cases():
             messages_and_choices=[{"message": {"role": "assistant", "content": "x"}, "prompt_token_ids": [1],
                                    "token_ids": [2**31], "logprobs": [-0.1]}])])]), ValueError,
          "token ids must fit int32"),
-        ("not a group", lambda s: s.write_groups(0, "t.parquet", [Trajectory()]), TypeError, r"groups\[0\] is a Trajectory"),
+        ("not a group", lambda s: s.write_groups(0, "t.parquet", [Trajectory()]),
+         TypeError, r"groups\[0\] is a Trajectory"),
         ("a group not awaited", lambda s: s.write_groups(0, "t.parquet", [TrajectoryGroup([_never()])]), ValueError,
          "rollouts not awaited yet"),
         ("groups as a value", lambda s: s.write_groups(0, "t.parquet", group()[0]), TypeError, "is a"),
@@ -168,7 +178,8 @@ def test_bad_store_inputs(store_root, raw_storage, call, error, message):
     store = RunStore(store_root, "proj", "run")
     with pytest.raises(error, match=message):
         call(store)
-    assert [k for k in raw_storage.keys() if "/steps/" in k or k.endswith("run.json")] == []  # noqa: SIM118  # nothing written
+    written = [k for k in raw_storage.keys() if "/steps/" in k or k.endswith("run.json")]  # noqa: SIM118
+    assert written == []  # refused before anything was written
 
 
 # ---- damaged files in storage: (id, {path under the run: bytes}, call, exception, message) -----------------------
@@ -195,7 +206,7 @@ def test_damaged_files(store_root, raw_storage, files, call, error, message):
     with pytest.raises(error, match=message):
         call(RunStore(store_root, "proj", "run"))
     for rel, data in files.items():
-        assert raw_storage.read(f"proj/run/{rel}") == data  # a reader never changes what it cannot read
+        assert raw_storage.read(f"proj/run/{rel}") == data  # left as found (only corrupt manifests are moved aside)
 
 
 # ---- the command line: `trajflow runs ROOT` prints one line and exits 1 ----------------------------------------
