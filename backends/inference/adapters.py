@@ -6,7 +6,10 @@
   read (never pickle files).
 - **What is accepted.** peft ``LORA`` adapters on the attention and MLP projections (q/k/v/o, gate/up/down) of the
   served base model, any rank up to the engine's maximum, ``lora_alpha / r`` scaling (``/ sqrt(r)`` with rslora).
-  DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem.
+  DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem, and so
+  is an adapter whose ``r`` is not an integer, whose ``lora_alpha`` is not a finite number, or whose weights (B
+  scaled by ``lora_alpha / r``) are NaN, infinite, or beyond the serving dtype's range: one such adapter in a batch
+  would otherwise reach other rows (`lora_slots`).
 - **Names.** The base model is served under its own name. Adapters are registered under their ``lora_name``; by
   convention ``"<name>@<step>"``. A bare ``"<name>"`` that is not itself registered means the highest registered
   ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
@@ -106,8 +109,10 @@ def fetch_adapter(path: str, cache_dir: Path) -> Path:
     return target
 
 
-def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> HostAdapter:
-    """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out))."""
+def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> HostAdapter:
+    """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out)); its weights must
+    be finite once scaled and cast to `dtype`, the dtype the engine serves in."""
     try:
         config = json.loads((local / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as e:
@@ -120,10 +125,15 @@ def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: in
         raise AdapterError(f"{local}: modules_to_save={config['modules_to_save']} is not supported (LoRA only)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"{local}: per-module rank_pattern/alpha_pattern are not supported")
-    rank = int(config.get("r", 0))
+    rank = config.get("r")
+    if not _is_int(rank):
+        raise AdapterError(f"{local}: adapter_config.json r must be an integer, got {rank!r}")
     if not 1 <= rank <= max_rank:
         raise AdapterError(f"{local}: rank r={rank} outside 1..{max_rank} (raise max_lora_rank to serve it)")
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = _finite_number(config.get("lora_alpha", rank))
+    if alpha is None:
+        raise AdapterError(f"{local}: adapter_config.json lora_alpha must be a finite number, "
+                           f"got {config.get('lora_alpha')!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights_file = local / ADAPTER_WEIGHTS
     if not weights_file.is_file():
@@ -156,8 +166,36 @@ def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: in
                 f"{local}: layer {layer} {module} has A{tuple(a.shape)} B{tuple(b.shape)}, the base model needs "
                 f"A({rank}, {fan_in}) B({fan_out}, {rank}); was it trained on another base model?"
             )
-        weights[(layer, module)] = (a.float(), b.float())
+        a, b = a.float(), b.float()
+        _check_finite(local, layer, module, a, b, scale, dtype)
+        weights[(layer, module)] = (a, b)
     return HostAdapter(rank=rank, scale=scale, weights=weights)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_number(value) -> float | None:
+    if not (_is_int(value) or isinstance(value, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _check_finite(local: Path, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> None:
+    """A and scale * B must be finite in the dtype they are served in (a huge lora_alpha overflows bf16)."""
+    largest = torch.finfo(dtype).max
+    for part, tensor in (("lora_A", a), ("lora_B * lora_alpha / r", b * scale)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{local}: layer {layer} {module} {part} holds NaN or infinite values")
+        if bool((tensor.abs() > largest).any()):
+            raise AdapterError(f"{local}: layer {layer} {module} {part} exceeds {dtype}'s range ({largest:.3g}); "
+                               "is lora_alpha far too large?")
 
 
 def _step_of(name: str, base: str) -> int | None:
@@ -172,9 +210,9 @@ class AdapterRegistry:
     """Names -> adapters, thread-safe. `layout`/`num_layers`/`max_rank` describe what the base model accepts."""
 
     def __init__(self, base_names: list[str], layout: dict[str, tuple[int, int]], num_layers: int,
-                 max_rank: int, cache_dir: Path, max_cpu_loras: int = 16):
+                 max_rank: int, cache_dir: Path, max_cpu_loras: int = 16, dtype: torch.dtype = torch.float32):
         self.base_names = list(base_names)
-        self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
+        self.layout, self.num_layers, self.max_rank, self.dtype = layout, num_layers, max_rank, dtype
         self.cache_dir = Path(cache_dir)
         self.max_cpu_loras = max(1, max_cpu_loras)
         self._entries: dict[str, AdapterEntry] = {}
@@ -196,7 +234,7 @@ class AdapterRegistry:
             raise AdapterError(f"adapter {name!r} is already loaded from {old.source!r}; unload it first "
                                "(or pass load_inplace=true)")
         local = fetch_adapter(path, self.cache_dir / "adapters")
-        host = read_adapter(local, self.layout, self.num_layers, self.max_rank)
+        host = read_adapter(local, self.layout, self.num_layers, self.max_rank, self.dtype)
         with self._lock:
             self._uids += 1
             entry = AdapterEntry(uid=self._uids, name=name, source=path, local_path=local, rank=host.rank)
@@ -251,7 +289,7 @@ class AdapterRegistry:
             if host is not None:
                 self._host.move_to_end(entry.uid)
                 return host
-        host = read_adapter(entry.local_path, self.layout, self.num_layers, self.max_rank)
+        host = read_adapter(entry.local_path, self.layout, self.num_layers, self.max_rank, self.dtype)
         with self._lock:
             self._remember(entry.uid, host)
         return host

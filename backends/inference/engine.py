@@ -185,7 +185,7 @@ class Engine:
 
         cache_dir = Path(config.adapter_cache_dir) if config.adapter_cache_dir else cache_root()
         self.adapters = AdapterRegistry([name], info["layout"], info["num_layers"], config.max_lora_rank,
-                                        cache_dir, config.max_cpu_loras)
+                                        cache_dir, config.max_cpu_loras, self.dtype)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
                       "generated_tokens": 0, "decode_seconds": 0.0}
