@@ -88,7 +88,8 @@ class EngineConfig(BaseModel):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling. `max_tokens` None means up to the context; temperature <= 0 means greedy."""
+    """Per-request sampling. `max_tokens` None means up to the context; a temperature below
+    `sampling.SAMPLING_EPS` (0 included) means greedy."""
 
     max_tokens: int | None = None
     temperature: float = 1.0

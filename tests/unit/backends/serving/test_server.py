@@ -95,6 +95,25 @@ async def test_top_p_small_keeps_only_the_most_likely_token(client, tiny_hf):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [9e-6, 1e-30, 1e-39, 1e-45, 5e-324])
+async def test_a_temperature_that_underflows_is_greedy(client, temperature):
+    """Below 1e-5 (vLLM's threshold) sampling is greedy: float32 logits / 1e-39 overflow, and 1e-39 is subnormal."""
+    greedy = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    tiny = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8, seed=1,
+                                                temperature=temperature, extra_body={"ignore_eos": True})
+    assert tiny.choices[0].token_ids == greedy.choices[0].token_ids
+
+
+@pytest.mark.parametrize("top_p", [1e-30, 1e-39, 1e-46, 5e-324])
+async def test_a_top_p_that_underflows_keeps_the_most_likely_token(client, top_p):
+    """top_p below float32's smallest normal (or rounding to 0) still keeps the top-1 token."""
+    r = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8, top_p=top_p,
+                                             seed=1, logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})
+    for entry in r.choices[0].logprobs.content:
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+
+
 async def test_64_concurrent_requests_are_all_answered(client, tiny_server):
     steps_before = tiny_server.engine.stats["decode_steps"]
     replies = await asyncio.gather(*[
