@@ -105,20 +105,28 @@ def tool_model_path(tiny_hf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tool_server(tool_model_path):
+def adapter_root(tmp_path_factory) -> str:
+    """The session's pytest temporary folder: where the test adapters live, allowed as an adapter root."""
+    return str(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model_path, adapter_root):
     from backends.serving.app import start_server
 
-    handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY)
+    handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY,
+                          adapter_roots=[adapter_root])
     yield handle
     handle.stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_path):
-    """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY."""
+def tiny_server(tiny_model_path, adapter_root):
+    """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY; adapters load from the
+    trajflow cache and the session's temporary folders."""
     from backends.serving.app import start_server
 
-    handle = start_server("tiny-random", api_key=API_KEY)
+    handle = start_server("tiny-random", api_key=API_KEY, adapter_roots=[adapter_root])
     yield handle
     handle.stop()
 

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.inference.adapters import AdapterError, UnknownModel
 from backends.inference.engine import Engine, EngineConfig, EngineStopped, RequestError
 from backends.serving import completions as text_completions
+from backends.serving.adapter_sources import AdapterSources
 from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, stream_chunks
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,11 @@ def error_response(status: int, message: str) -> JSONResponse:
                                    "code": status}}, status_code=status)
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
-    """The FastAPI app serving `engine`; with `api_key`, requests need `Authorization: Bearer <api_key>`."""
+def create_app(engine: Engine, api_key: str | None = None,
+               adapter_sources: AdapterSources | None = None) -> fastapi.FastAPI:
+    """The FastAPI app serving `engine`; with `api_key`, requests need `Authorization: Bearer <api_key>`.
+    `/v1/load_lora_adapter` reads only under `adapter_sources` (default: the trajflow cache)."""
+    sources = adapter_sources or AdapterSources.default()
     app = fastapi.FastAPI(title="trajflow embedded inference", docs_url=None, redoc_url=None, openapi_url=None)
     names = TokenText(engine.tokenizer)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -94,6 +98,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not isinstance(path, str):
                 return error_response(400, "lora_name and lora_path (strings) are required")
+            sources.check(path)
             await asyncio.to_thread(engine.load_adapter, name, path, bool(body.get("load_inplace", False)))
         except (AdapterError, RequestError) as e:
             return error_response(400, str(e))
@@ -205,19 +210,41 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """An unkeyed server must stay on loopback: ValueError for any other bind address without a key."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(f"binding {host} needs an API key (--api-key or $TRAJFLOW_API_KEY): without one, anyone who "
+                         "reaches the port can generate and load adapters; an unkeyed server stays on 127.0.0.1")
+
+
 def start_server(model: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  device: str = "cpu", max_loras: int = 4, served_name: str | None = None,
                  engine: Engine | None = None, config: EngineConfig | None = None,
-                 startup_timeout: float = 60) -> ServerHandle:
-    """Serve `model` (or the given `engine`) from a background thread; returns once /health answers."""
+                 startup_timeout: float = 60, adapter_roots: list[str] | None = None) -> ServerHandle:
+    """Serve `model` (or the given `engine`) from a background thread; returns once /health answers.
+    `adapter_roots` are where adapters may be loaded from besides the trajflow cache (`adapter_sources`)."""
     import httpx
     import uvicorn
 
+    check_exposure(host, api_key)
+    sources = AdapterSources.default(adapter_roots)
     owns = engine is None
     if engine is None:
         cfg = (config or EngineConfig()).model_copy(update={"max_loras": max_loras})
         engine = Engine.from_pretrained(model, device=device, served_name=served_name, config=cfg)
-    app = create_app(engine, api_key)
+    app = create_app(engine, api_key, sources)
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))

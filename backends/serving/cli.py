@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences decoded together (default 64)")
     p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion in tokens")
     p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
+                   help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
+                        "other places and URL schemes (http, ...) are refused")
     p.set_defaults(func=serve)
 
 
@@ -56,10 +59,17 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from backends.inference.engine import Engine, EngineConfig
-    from backends.serving.app import bind_socket, create_app
+    from backends.serving.adapter_sources import AdapterSources
+    from backends.serving.app import bind_socket, check_exposure, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
+    try:
+        check_exposure(args.host, api_key)
+        sources = AdapterSources.default(args.adapter_root)
+    except ValueError as e:
+        print(f"trajflow serve: {e}", file=sys.stderr)
+        return 2
     updates = {"max_loras": args.max_loras}
     if args.max_batch_size:
         updates["max_batch_size"] = args.max_batch_size
@@ -80,7 +90,8 @@ def serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    server = _server_class()(uvicorn.Config(create_app(engine, api_key), log_level="info", lifespan="off"))
+    server = _server_class()(uvicorn.Config(create_app(engine, api_key, sources), log_level="info",
+                                            lifespan="off"))
     try:
         server.run(sockets=[sock])
     finally:

@@ -51,6 +51,26 @@ CASES = [
     Bad("adapter-huge-alpha", "/v1/load_lora_adapter", load("huge_alpha"), 400, "lora_B .* (NaN or infinite|range)"),
     Bad("adapter-dora", "/v1/load_lora_adapter", load("dora"), 400, "DoRA"),
     Bad("adapter-missing-folder", "/v1/load_lora_adapter", load("missing"), 400, "no adapter_config.json"),
+    # -- where adapters may come from (adapter_sources; test_adapter_sources.py checks nothing is fetched) --------
+    *[Bad(f"adapter-scheme-{scheme}", "/v1/load_lora_adapter", {"lora_name": "bad@1", "lora_path": url}, 400,
+          f"scheme '{scheme}' is not allowed")
+      for scheme, url in (("http", "http://169.254.169.254/latest/meta-data"), ("https", "https://example.com/a"),
+                          ("ftp", "ftp://example.com/a"), ("memory", "memory://a"), ("gs", "gs://bucket/a"))],
+    Bad("adapter-chained-url", "/v1/load_lora_adapter",
+        {"lora_name": "bad@1", "lora_path": "simplecache::s3://bucket/a"}, 400, "chained URLs"),
+    Bad("adapter-local-outside-roots", "/v1/load_lora_adapter", {"lora_name": "bad@1", "lora_path": "/etc"}, 400,
+        "outside this server's adapter roots"),
+    Bad("adapter-file-uri-outside-roots", "/v1/load_lora_adapter", {"lora_name": "bad@1", "lora_path": "file:///etc"},
+        400, "outside this server's adapter roots"),
+    Bad("adapter-file-uri-other-host", "/v1/load_lora_adapter",
+        {"lora_name": "bad@1", "lora_path": "file://example.com/etc"}, 400, "must name this machine"),
+    Bad("adapter-dotdot-escapes-root", "/v1/load_lora_adapter",
+        lambda adapters: {"lora_name": "bad@1", "lora_path": str(adapters.root) + "/../../../../../../etc"}, 400,
+        "outside this server's adapter roots"),
+    Bad("adapter-s3-without-storage-root", "/v1/load_lora_adapter",
+        {"lora_name": "bad@1", "lora_path": "s3://bucket/runs/a"}, 400, "outside this server's adapter roots"),
+    Bad("adapter-nul-in-path", "/v1/load_lora_adapter", {"lora_name": "bad@1", "lora_path": "/tmp/a\x00b"}, 400,
+        "control characters"),
 ]
 
 
