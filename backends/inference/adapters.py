@@ -1,9 +1,11 @@
 """LoRA adapters served by the engine: fetching them, reading peft files, and the names requests use.
 
 - **Where from.** ``lora_path`` is a local folder, or a storage URI (``s3://…``, ``file://…``, anything fsspec
-  opens). A URI is copied once into ``<cache>/adapters/<sha256(uri)[:16]>/`` (written to a temporary folder and
-  renamed, so a crash never leaves a half copy); only ``adapter_config.json`` and ``adapter_model.safetensors`` are
-  read (never pickle files).
+  opens; which ones a server accepts is `backends.serving.adapter_sources`'s rule). A URI is downloaded on every
+  load into a temporary folder and kept as ``<cache>/adapters/<sha256 of its files>[:32]/`` (renamed into place, so
+  a crash never leaves a half copy): the cache is keyed by content, so a reload of the same URI after its files
+  changed serves the new weights, and a copy, once there, never changes. Only ``adapter_config.json`` and
+  ``adapter_model.safetensors`` are read (never pickle files).
 - **What is accepted.** peft ``LORA`` adapters on the attention and MLP projections (q/k/v/o, gate/up/down) of the
   served base model, any rank up to the engine's maximum, ``lora_alpha / r`` scaling (``/ sqrt(r)`` with rslora).
   DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem, and so
@@ -79,7 +81,7 @@ def _is_uri(path: str) -> bool:
 
 
 def fetch_adapter(path: str, cache_dir: Path) -> Path:
-    """Local folder holding the adapter files: `path` itself, or a cached copy of a storage URI."""
+    """Local folder holding the adapter files: `path` itself, or the content-keyed copy of a storage URI."""
     if not _is_uri(path):
         local = Path(path).expanduser()
         if not (local / ADAPTER_CONFIG).is_file():
@@ -87,23 +89,32 @@ def fetch_adapter(path: str, cache_dir: Path) -> Path:
         return local
     import fsspec
 
-    target = cache_dir / hashlib.sha256(path.encode()).hexdigest()[:16]
-    if all((target / name).is_file() for name in ADAPTER_FILES):
-        return target
-    fs, root = fsspec.core.url_to_fs(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ValueError, ImportError) as e:  # unknown scheme, or its package is not installed
+        raise AdapterError(f"lora_path {path!r}: {e}") from e
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="download.tmp-", dir=cache_dir))
+    try:
+        fs.invalidate_cache(root)  # a listing cached by an earlier load would hide changed or removed files
+        digest = hashlib.sha256()
         for name in ADAPTER_FILES:
             remote = root.rstrip("/") + "/" + name
-            if not fs.exists(remote):
-                raise AdapterError(f"lora_path {path!r}: {name} not found")
-            fs.get(remote, str(tmp / name))
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not all((target / name).is_file() for name in ADAPTER_FILES):
-                raise
+            try:
+                fs.get(remote, str(tmp / name))
+            except FileNotFoundError:
+                raise AdapterError(f"lora_path {path!r}: {name} not found") from None
+            except OSError as e:
+                raise AdapterError(f"lora_path {path!r}: cannot read {name} ({e})") from e
+            with open(tmp / name, "rb") as f:
+                digest.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+        target = cache_dir / digest.hexdigest()[:32]
+        if not all((target / name).is_file() for name in ADAPTER_FILES):
+            try:
+                tmp.rename(target)
+            except OSError:  # another load of the same contents won the rename
+                if not all((target / name).is_file() for name in ADAPTER_FILES):
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
