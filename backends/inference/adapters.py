@@ -13,8 +13,9 @@
   scaled by ``lora_alpha / r``) are NaN, infinite, or beyond the serving dtype's range: one such adapter in a batch
   would otherwise reach other rows (`lora_slots`).
 - **Names.** The base model is served under its own name. Adapters are registered under their ``lora_name``; by
-  convention ``"<name>@<step>"``. A bare ``"<name>"`` that is not itself registered means the highest registered
-  ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
+  convention ``"<name>@<step>"``; a name has 1-200 characters and no whitespace, control characters, ``/``,
+  backslash or ``..`` (it may end up in paths and logs). A bare ``"<name>"`` that is not itself registered means
+  the highest registered ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
 - **Memory.** Every registered adapter stays registered until unloaded; its weights are kept in host memory for the
   ``max_cpu_loras`` most recently used adapters and re-read from the local copy when needed again. How many sit on
   the device at once (``max_loras``) is the engine's business (`lora_slots.LoraSlots`).
@@ -233,8 +234,10 @@ class AdapterRegistry:
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterEntry:
         """Register `name` -> adapter at `path` (fetched and checked now, so errors surface to the caller)."""
-        if not name or any(c.isspace() for c in name) or len(name) > 200:
-            raise AdapterError(f"lora_name {name!r}: must be 1-200 characters without spaces")
+        if (not name or len(name) > 200 or any(c.isspace() or ord(c) < 32 or c in "/\\" for c in name)
+                or ".." in name):
+            raise AdapterError(f"lora_name {name!r}: must be 1-200 characters without spaces, control characters, "
+                               "'/', '\\' or '..'")
         if name in self.base_names:
             raise AdapterError(f"lora_name {name!r} is the base model's name")
         with self._lock:

@@ -9,14 +9,15 @@ with ``M`` members, the adapters in slots ``0..S-1`` are stacked into two matric
     delta(x) = where(row has an adapter, h @ B_g, 0)
 
 so a mixed batch costs two small matmuls per group and no gathers, and the shapes stay static (CUDA-graph
-friendly). Eagerly (CPU) only the columns of slots up to the highest slot in use are touched.
+friendly). Eagerly (CPU) only the columns of slots up to the highest slot in use are touched. ``R`` starts at the
+first adapter's rank rounded up to a power of two and grows (the stacks are reallocated, and ``generation`` changes
+so captured graphs are dropped) when a larger one arrives.
 
 Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``) rather than
 multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN); a row
 without an adapter takes no LoRA term at all. ``h @ B_g`` still sums over every slot's rows of ``B_g`` (with zeros
 in ``h``), so a non-finite ``B_g`` would reach rows of other adapters: an adapter is therefore written into a slot
-only when its A and scaled B are finite in the serving dtype (`adapters.read_adapter` refuses the others at load). ``R`` starts at the first adapter's rank rounded up to a power of two and grows (the
-stacks are reallocated, and ``generation`` changes so captured graphs are dropped) when a larger one arrives.
+only when its A and scaled B are finite in the serving dtype (`adapters.read_adapter` refuses the others at load).
 
 Slots: ``max_loras`` of them; an adapter is placed in a slot when a request for it is admitted, stays there while
 requests use it, and the least recently used unused slot is reused when another adapter needs room (vLLM's
@@ -25,7 +26,8 @@ requests use it, and the least recently used unused slot is reused when another 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

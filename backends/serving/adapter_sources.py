@@ -56,7 +56,7 @@ class AdapterSources:
                                  f"{'|'.join(s + '://BUCKET/PREFIX' for s in STORAGE_SCHEMES)}")
 
     @classmethod
-    def default(cls, extra: list[str | os.PathLike] | None = None) -> "AdapterSources":
+    def default(cls, extra: list[str | os.PathLike] | None = None) -> AdapterSources:
         """The trajflow cache, plus `extra`."""
         from backends.modeling.loading import cache_root
 

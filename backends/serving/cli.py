@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES
+
 
 def register(subparsers) -> None:
     """Add the `serve` subcommand to `subparsers` (from `ArgumentParser.add_subparsers()`)."""
@@ -25,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
                    help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
                         "other places and URL schemes (http, ...) are refused")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                   help=f"largest request body in MiB; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20})")
     p.set_defaults(func=serve)
 
 
@@ -90,8 +94,8 @@ def serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    server = _server_class()(uvicorn.Config(create_app(engine, api_key, sources), log_level="info",
-                                            lifespan="off"))
+    app = create_app(engine, api_key, sources, int(args.max_body_mb * 2**20))
+    server = _server_class()(uvicorn.Config(app, log_level="info", lifespan="off"))
     try:
         server.run(sockets=[sock])
     finally:

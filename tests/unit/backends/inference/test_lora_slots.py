@@ -1,4 +1,4 @@
-"""LoRA slots in the engine: reused slots serve the adapter now in them, and one row's adapter never reaches another row.
+"""LoRA slots in the engine: a reused slot serves the adapter now in it; one row's adapter never reaches another row.
 
 Each adapter is checked against its own peft model (teacher-forced logprobs), so a slot that kept any of the
 previous adapter's weights, columns or modules would show up as a mismatch.

@@ -30,7 +30,7 @@ def recording_http_server():
     seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's naming
+        def do_GET(self):
             seen.append(self.path)
             self.send_response(404)
             self.end_headers()
