@@ -1,11 +1,14 @@
 """`trajflow serve`: the embedded inference server in the foreground (SIGTERM / Ctrl-C shut it down cleanly).
 
-Importing this module is light (argparse only); torch and transformers load inside the command.
+Importing this module is light (argparse only); torch and transformers load inside the command. A bad argument
+ends the command with one line on stderr naming it, and exit code 2 (argparse's code for usage errors): values
+are checked before the model loads, the device once torch is imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES
 
@@ -54,33 +57,77 @@ def _server_class():
     return Server
 
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot work; its message is the one line printed."""
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """Checks that need no torch: port range, body cap, device spelling."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: a port is 0..65535 (0 picks a free one)")
+    if not args.max_body_mb > 0:
+        raise UsageError(f"--max-body-mb {args.max_body_mb}: must be positive")
+    if not _DEVICE.fullmatch(args.device):
+        raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+
+
+def _check_device(device: str) -> None:
+    """The CUDA device must exist in this process (torch raises deep inside the model load otherwise)."""
+    import torch
+
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count()} GPUs visible)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
+
+
+def _engine_config(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from backends.inference.engine import EngineConfig
+
+    updates = {"max_loras": args.max_loras, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len}
+    try:
+        return EngineConfig(**{k: v for k, v in updates.items() if v is not None})
+    except ValidationError as e:
+        raise UsageError("; ".join(f"--{str(err['loc'][0]).replace('_', '-')} {updates.get(err['loc'][0])}: "
+                                   f"{err['msg'].lower()}" for err in e.errors())) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT, then stop the engine. Returns the exit code."""
     import logging
     import os
     import sys
 
-    import uvicorn
-
-    from backends.inference.engine import Engine, EngineConfig
     from backends.serving.adapter_sources import AdapterSources
-    from backends.serving.app import bind_socket, check_exposure, create_app
+    from backends.serving.app import check_exposure
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
     try:
+        _check_values(args)
         check_exposure(args.host, api_key)
         sources = AdapterSources.default(args.adapter_root)
+        config = _engine_config(args)
+        _check_device(args.device)
     except ValueError as e:
         print(f"trajflow serve: {e}", file=sys.stderr)
         return 2
-    updates = {"max_loras": args.max_loras}
-    if args.max_batch_size:
-        updates["max_batch_size"] = args.max_batch_size
-    if args.max_seq_len:
-        updates["max_seq_len"] = args.max_seq_len
+
+    import uvicorn
+
+    from backends.inference.engine import Engine
+    from backends.serving.app import bind_socket, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig(**updates)
         engine = Engine.from_pretrained(args.model, device=args.device, served_name=args.served_name, config=config)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"trajflow serve: {e}", file=sys.stderr)
