@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 API_KEY = "test-key-123"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL_ANSWER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+async def wait_until(condition, timeout: float, what: str) -> None:
+    """Wait for `condition()` to hold, checking every 10 ms; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

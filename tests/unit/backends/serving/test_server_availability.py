@@ -6,25 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
 
 import backends.serving.app as app_module
-from tests.fixtures_server import API_KEY
+from tests.fixtures_server import API_KEY, wait_until
 from tests.unit.backends.serving.test_server import MESSAGES
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-async def wait_until(condition, timeout: float, what: str) -> None:
-    """Wait for `condition()` to hold (checked every 10 ms); fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_health_answers_while_a_request_is_being_prepared(tiny_server, monkeypatch):
