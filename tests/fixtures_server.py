@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 API_KEY = "test-key-123"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL_ANSWER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+async def wait_until(condition, timeout: float, what: str) -> None:
+    """Wait for `condition()` to hold, checking every 10 ms; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
@@ -19,31 +31,56 @@ def tiny_hf(tiny_model_path):
     return model, AutoTokenizer.from_pretrained(tiny_model_path)
 
 
-def _lora(model, seed: int):
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora(model, seed: int, r: int = 8, modules=ALL_MODULES):
     import copy
 
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"])
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(modules))
     return get_peft_model(copy.deepcopy(model), config)
+
+
+def _randomised(peft_model, std: float = 0.5):
+    """`peft_model` with random nonzero lora_B (peft starts B at zero, which would leave the model unchanged)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    return peft_model.eval()
 
 
 @pytest.fixture(scope="session")
 def random_adapter(tiny_hf, tmp_path_factory):
     """(folder, peft model) of a LoRA with nonzero random B: it changes the model's outputs."""
-    import torch
-
-    peft_model = _lora(tiny_hf[0], seed=1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    peft_model = _randomised(_lora(tiny_hf[0], seed=1))
     folder = tmp_path_factory.mktemp("adapter-random")
     peft_model.save_pretrained(folder)
-    return folder, peft_model.eval()
+    return folder, peft_model
+
+
+# (seed, rank, target modules) of `distinct_adapters`: different weights, ranks (a slot reused by a smaller rank
+# must not keep the larger one's columns) and modules (nor the modules the new adapter leaves out).
+DISTINCT = [(11, 16, ALL_MODULES), (12, 4, ("q_proj", "v_proj")), (13, 8, ALL_MODULES),
+            (14, 2, ("gate_proj", "down_proj")), (15, 8, ("k_proj", "o_proj", "up_proj"))]
+
+
+@pytest.fixture(scope="session")
+def distinct_adapters(tiny_hf, tmp_path_factory):
+    """[(folder, peft model)] of five LoRAs that differ in weights, rank and target modules."""
+    out = []
+    for seed, r, modules in DISTINCT:
+        peft_model = _randomised(_lora(tiny_hf[0], seed=seed, r=r, modules=modules))
+        folder = tmp_path_factory.mktemp(f"adapter-{seed}")
+        peft_model.save_pretrained(folder)
+        out.append((folder, peft_model))
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -80,20 +117,28 @@ def tool_model_path(tiny_hf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tool_server(tool_model_path):
+def adapter_root(tmp_path_factory) -> str:
+    """The session's pytest temporary folder: where the test adapters live, allowed as an adapter root."""
+    return str(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model_path, adapter_root):
     from backends.serving.app import start_server
 
-    handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY)
+    handle = start_server(str(tool_model_path), served_name="tiny-tools", api_key=API_KEY,
+                          adapter_roots=[adapter_root])
     yield handle
     handle.stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_path):
-    """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY."""
+def tiny_server(tiny_model_path, adapter_root):
+    """The embedded server on tiny-random at 127.0.0.1:<free port>, requiring API_KEY; adapters load from the
+    trajflow cache and the session's temporary folders."""
     from backends.serving.app import start_server
 
-    handle = start_server("tiny-random", api_key=API_KEY)
+    handle = start_server("tiny-random", api_key=API_KEY, adapter_roots=[adapter_root])
     yield handle
     handle.stop()
 

@@ -1,15 +1,21 @@
 """LoRA adapters served by the engine: fetching them, reading peft files, and the names requests use.
 
 - **Where from.** ``lora_path`` is a local folder, or a storage URI (``s3://…``, ``file://…``, anything fsspec
-  opens). A URI is copied once into ``<cache>/adapters/<sha256(uri)[:16]>/`` (written to a temporary folder and
-  renamed, so a crash never leaves a half copy); only ``adapter_config.json`` and ``adapter_model.safetensors`` are
-  read (never pickle files).
+  opens; which ones a server accepts is `backends.serving.adapter_sources`'s rule). A URI is downloaded on every
+  load into a temporary folder and kept as ``<cache>/adapters/<sha256 of its files>[:32]/`` (renamed into place, so
+  a crash never leaves a half copy): the cache is keyed by content, so a reload of the same URI after its files
+  changed serves the new weights, and a copy, once there, never changes. Only ``adapter_config.json`` and
+  ``adapter_model.safetensors`` are read (never pickle files).
 - **What is accepted.** peft ``LORA`` adapters on the attention and MLP projections (q/k/v/o, gate/up/down) of the
   served base model, any rank up to the engine's maximum, ``lora_alpha / r`` scaling (``/ sqrt(r)`` with rslora).
-  DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem.
+  DoRA, embedding or lm_head LoRA, and ``modules_to_save`` are refused with a message naming the problem, and so
+  is an adapter whose ``r`` is not an integer, whose ``lora_alpha`` is not a finite number, or whose weights (B
+  scaled by ``lora_alpha / r``) are NaN, infinite, or beyond the serving dtype's range: one such adapter in a batch
+  would otherwise reach other rows (`lora_slots`).
 - **Names.** The base model is served under its own name. Adapters are registered under their ``lora_name``; by
-  convention ``"<name>@<step>"``. A bare ``"<name>"`` that is not itself registered means the highest registered
-  ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
+  convention ``"<name>@<step>"``; a name has 1-200 characters and no whitespace, control characters, ``/``,
+  backslash or ``..`` (it may end up in paths and logs). A bare ``"<name>"`` that is not itself registered means
+  the highest registered ``"<name>@<k>"``. Anything else is unknown, and the error lists the names that exist.
 - **Memory.** Every registered adapter stays registered until unloaded; its weights are kept in host memory for the
   ``max_cpu_loras`` most recently used adapters and re-read from the local copy when needed again. How many sit on
   the device at once (``max_loras``) is the engine's business (`lora_slots.LoraSlots`).
@@ -76,7 +82,7 @@ def _is_uri(path: str) -> bool:
 
 
 def fetch_adapter(path: str, cache_dir: Path) -> Path:
-    """Local folder holding the adapter files: `path` itself, or a cached copy of a storage URI."""
+    """Local folder holding the adapter files: `path` itself, or the content-keyed copy of a storage URI."""
     if not _is_uri(path):
         local = Path(path).expanduser()
         if not (local / ADAPTER_CONFIG).is_file():
@@ -84,30 +90,41 @@ def fetch_adapter(path: str, cache_dir: Path) -> Path:
         return local
     import fsspec
 
-    target = cache_dir / hashlib.sha256(path.encode()).hexdigest()[:16]
-    if all((target / name).is_file() for name in ADAPTER_FILES):
-        return target
-    fs, root = fsspec.core.url_to_fs(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ValueError, ImportError) as e:  # unknown scheme, or its package is not installed
+        raise AdapterError(f"lora_path {path!r}: {e}") from e
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="download.tmp-", dir=cache_dir))
+    try:
+        fs.invalidate_cache(root)  # a listing cached by an earlier load would hide changed or removed files
+        digest = hashlib.sha256()
         for name in ADAPTER_FILES:
             remote = root.rstrip("/") + "/" + name
-            if not fs.exists(remote):
-                raise AdapterError(f"lora_path {path!r}: {name} not found")
-            fs.get(remote, str(tmp / name))
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not all((target / name).is_file() for name in ADAPTER_FILES):
-                raise
+            try:
+                fs.get(remote, str(tmp / name))
+            except FileNotFoundError:
+                raise AdapterError(f"lora_path {path!r}: {name} not found") from None
+            except OSError as e:
+                raise AdapterError(f"lora_path {path!r}: cannot read {name} ({e})") from e
+            with open(tmp / name, "rb") as f:
+                digest.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+        target = cache_dir / digest.hexdigest()[:32]
+        if not all((target / name).is_file() for name in ADAPTER_FILES):
+            try:
+                tmp.rename(target)
+            except OSError:  # another load of the same contents won the rename
+                if not all((target / name).is_file() for name in ADAPTER_FILES):
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> HostAdapter:
-    """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out))."""
+def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: int, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> HostAdapter:
+    """Read and check a peft LoRA folder against the base model's `layout` (module -> (in, out)); its weights must
+    be finite once scaled and cast to `dtype`, the dtype the engine serves in."""
     try:
         config = json.loads((local / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as e:
@@ -120,10 +137,15 @@ def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: in
         raise AdapterError(f"{local}: modules_to_save={config['modules_to_save']} is not supported (LoRA only)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"{local}: per-module rank_pattern/alpha_pattern are not supported")
-    rank = int(config.get("r", 0))
+    rank = config.get("r")
+    if not _is_int(rank):
+        raise AdapterError(f"{local}: adapter_config.json r must be an integer, got {rank!r}")
     if not 1 <= rank <= max_rank:
         raise AdapterError(f"{local}: rank r={rank} outside 1..{max_rank} (raise max_lora_rank to serve it)")
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = _finite_number(config.get("lora_alpha", rank))
+    if alpha is None:
+        raise AdapterError(f"{local}: adapter_config.json lora_alpha must be a finite number, "
+                           f"got {config.get('lora_alpha')!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights_file = local / ADAPTER_WEIGHTS
     if not weights_file.is_file():
@@ -156,8 +178,36 @@ def read_adapter(local: Path, layout: dict[str, tuple[int, int]], num_layers: in
                 f"{local}: layer {layer} {module} has A{tuple(a.shape)} B{tuple(b.shape)}, the base model needs "
                 f"A({rank}, {fan_in}) B({fan_out}, {rank}); was it trained on another base model?"
             )
-        weights[(layer, module)] = (a.float(), b.float())
+        a, b = a.float(), b.float()
+        _check_finite(local, layer, module, a, b, scale, dtype)
+        weights[(layer, module)] = (a, b)
     return HostAdapter(rank=rank, scale=scale, weights=weights)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_number(value) -> float | None:
+    if not (_is_int(value) or isinstance(value, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _check_finite(local: Path, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> None:
+    """A and scale * B must be finite in the dtype they are served in (a huge lora_alpha overflows bf16)."""
+    largest = torch.finfo(dtype).max
+    for part, tensor in (("lora_A", a), ("lora_B * lora_alpha / r", b * scale)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{local}: layer {layer} {module} {part} holds NaN or infinite values")
+        if bool((tensor.abs() > largest).any()):
+            raise AdapterError(f"{local}: layer {layer} {module} {part} exceeds {dtype}'s range ({largest:.3g}); "
+                               "is lora_alpha far too large?")
 
 
 def _step_of(name: str, base: str) -> int | None:
@@ -172,9 +222,9 @@ class AdapterRegistry:
     """Names -> adapters, thread-safe. `layout`/`num_layers`/`max_rank` describe what the base model accepts."""
 
     def __init__(self, base_names: list[str], layout: dict[str, tuple[int, int]], num_layers: int,
-                 max_rank: int, cache_dir: Path, max_cpu_loras: int = 16):
+                 max_rank: int, cache_dir: Path, max_cpu_loras: int = 16, dtype: torch.dtype = torch.float32):
         self.base_names = list(base_names)
-        self.layout, self.num_layers, self.max_rank = layout, num_layers, max_rank
+        self.layout, self.num_layers, self.max_rank, self.dtype = layout, num_layers, max_rank, dtype
         self.cache_dir = Path(cache_dir)
         self.max_cpu_loras = max(1, max_cpu_loras)
         self._entries: dict[str, AdapterEntry] = {}
@@ -184,8 +234,10 @@ class AdapterRegistry:
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterEntry:
         """Register `name` -> adapter at `path` (fetched and checked now, so errors surface to the caller)."""
-        if not name or any(c.isspace() for c in name) or len(name) > 200:
-            raise AdapterError(f"lora_name {name!r}: must be 1-200 characters without spaces")
+        if (not name or len(name) > 200 or any(c.isspace() or ord(c) < 32 or c in "/\\" for c in name)
+                or ".." in name):
+            raise AdapterError(f"lora_name {name!r}: must be 1-200 characters without spaces, control characters, "
+                               "'/', '\\' or '..'")
         if name in self.base_names:
             raise AdapterError(f"lora_name {name!r} is the base model's name")
         with self._lock:
@@ -196,7 +248,7 @@ class AdapterRegistry:
             raise AdapterError(f"adapter {name!r} is already loaded from {old.source!r}; unload it first "
                                "(or pass load_inplace=true)")
         local = fetch_adapter(path, self.cache_dir / "adapters")
-        host = read_adapter(local, self.layout, self.num_layers, self.max_rank)
+        host = read_adapter(local, self.layout, self.num_layers, self.max_rank, self.dtype)
         with self._lock:
             self._uids += 1
             entry = AdapterEntry(uid=self._uids, name=name, source=path, local_path=local, rank=host.rank)
@@ -251,7 +303,7 @@ class AdapterRegistry:
             if host is not None:
                 self._host.move_to_end(entry.uid)
                 return host
-        host = read_adapter(entry.local_path, self.layout, self.num_layers, self.max_rank)
+        host = read_adapter(entry.local_path, self.layout, self.num_layers, self.max_rank, self.dtype)
         with self._lock:
             self._remember(entry.uid, host)
         return host

@@ -46,21 +46,20 @@ class ProjGroup:
         else:
             self.parts = [(lin.weight.detach(), None if lin.bias is None else lin.bias.detach()) for lin in linears]
 
-    def fused_output(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """[N, out_1 + … + out_M] of a fused group; `lora` = (h, B) adds h @ B (see LoraSlots.factors)."""
+    def fused_output(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, out_1 + … + out_M] of a fused group, plus the LoRA `lora` delta (see LoraSlots.delta)."""
         y = F.linear(x, self.weight, self.bias)
         if lora is not None:
-            y.addmm_(*lora)
+            y.add_(lora)
         return y
 
-    def __call__(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Outputs of each member for rows `x` [N, in]."""
         if self.fused:
             return list(self.fused_output(x, lora).split(self.out_sizes, dim=-1))
         outs = [F.linear(x, w, b) for w, b in self.parts]
         if lora is not None:
-            delta = lora[0] @ lora[1]
-            outs = [o + d for o, d in zip(outs, delta.split(self.out_sizes, dim=-1))]
+            outs = [o + d for o, d in zip(outs, lora.split(self.out_sizes, dim=-1))]
         return outs
 
 
@@ -154,7 +153,7 @@ class DecoderRunner:
         return x * cos + _rotate_half(x) * sin
 
     def _project(self, layer: int, group: str, x: torch.Tensor, masks) -> list[torch.Tensor]:
-        lora = None if masks is None else self.lora.factors(layer, group, x, masks)
+        lora = None if masks is None else self.lora.delta(layer, group, x, masks)
         return self.layers[layer].groups[group](x, lora)
 
     def _mlp(self, i: int, x: torch.Tensor, masks) -> torch.Tensor:
@@ -169,7 +168,7 @@ class DecoderRunner:
         layer = self.layers[i]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         group = layer.groups["qkv"]
-        lora = None if masks is None else self.lora.factors(i, "qkv", h, masks)
+        lora = None if masks is None else self.lora.delta(i, "qkv", h, masks)
         if group.fused and layer.q_norm is None:
             # q and k are adjacent columns of the fused output: rotate them with one set of kernels
             y = group.fused_output(h, lora)

@@ -88,7 +88,8 @@ class EngineConfig(BaseModel):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling. `max_tokens` None means up to the context; temperature <= 0 means greedy."""
+    """Per-request sampling. `max_tokens` None means up to the context; a temperature below
+    `sampling.SAMPLING_EPS` (0 included) means greedy."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -185,7 +186,7 @@ class Engine:
 
         cache_dir = Path(config.adapter_cache_dir) if config.adapter_cache_dir else cache_root()
         self.adapters = AdapterRegistry([name], info["layout"], info["num_layers"], config.max_lora_rank,
-                                        cache_dir, config.max_cpu_loras)
+                                        cache_dir, config.max_cpu_loras, self.dtype)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
                       "generated_tokens": 0, "decode_seconds": 0.0}
@@ -306,6 +307,10 @@ class Engine:
         if not self._thread.is_alive():
             self.kv.close()
 
+    def activity(self) -> dict[str, int]:
+        """Requests queued for admission and sequences being decoded, as the engine thread last left them."""
+        return {"waiting": len(self._waiting) + len(self._inbox), "running": len(self._running)}
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -337,6 +342,9 @@ class Engine:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
         if any(not isinstance(s, str) or not s for s in p.stop) or len(p.stop) > 16:
             raise RequestError("stop must be up to 16 non-empty strings")
+        bad = next((t for t in p.stop_token_ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab})")
         return max_tokens
 
     # -- engine thread ----------------------------------------------------------------------------------------------

@@ -5,12 +5,19 @@ with ``M`` members, the adapters in slots ``0..S-1`` are stacked into two matric
 (slot, member, rank), ranks zero-padded to a common ``R``:
 
     A_g: [in, S*M*R]            B_g: [S*M*R, out_1 + … + out_M]   (scale = lora_alpha / r folded into B_g)
-    delta(x) = ((x @ A_g) * mask) @ B_g,   mask[row, col] = 1 if col belongs to the slot of row's adapter
+    h = where(mask, x @ A_g, 0),   mask[row, col] = (col belongs to the slot of row's adapter)
+    delta(x) = where(row has an adapter, h @ B_g, 0)
 
 so a mixed batch costs two small matmuls per group and no gathers, and the shapes stay static (CUDA-graph
-friendly). A row with no adapter has an all-zero mask. Eagerly (CPU) only the columns of slots up to the highest
-slot in use are touched. ``R`` starts at the first adapter's rank rounded up to a power of two and grows (the
-stacks are reallocated, and ``generation`` changes so captured graphs are dropped) when a larger one arrives.
+friendly). Eagerly (CPU) only the columns of slots up to the highest slot in use are touched. ``R`` starts at the
+first adapter's rank rounded up to a power of two and grows (the stacks are reallocated, and ``generation`` changes
+so captured graphs are dropped) when a larger one arrives.
+
+Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``) rather than
+multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN); a row
+without an adapter takes no LoRA term at all. ``h @ B_g`` still sums over every slot's rows of ``B_g`` (with zeros
+in ``h``), so a non-finite ``B_g`` would reach rows of other adapters: an adapter is therefore written into a slot
+only when its A and scaled B are finite in the serving dtype (`adapters.read_adapter` refuses the others at load).
 
 Slots: ``max_loras`` of them; an adapter is placed in a slot when a request for it is admitted, stays there while
 requests use it, and the least recently used unused slot is reused when another adapter needs room (vLLM's
@@ -19,11 +26,12 @@ requests use it, and the least recently used unused slot is reused when another 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from backends.inference.adapters import HostAdapter
+from backends.inference.adapters import AdapterError, HostAdapter
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -31,6 +39,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+
+
+class RowMasks(NamedTuple):
+    """Which LoRA columns each row reads (`cols[M]`: [rows, slots*M*R] bool, per member count M), and which rows
+    have an adapter at all (`rows`: [rows, 1] bool)."""
+
+    cols: dict[int, torch.Tensor]
+    rows: torch.Tensor
 
 
 class LoraSlots:
@@ -111,12 +127,20 @@ class LoraSlots:
                 self._fill(slot, host)
 
     def _write(self, slot: int, uid: int, host: HostAdapter) -> None:
+        self._check_finite(host)
         need = 1 << max(0, (host.rank - 1).bit_length())
         self._uid[slot], self._host[slot] = uid, host
         if need > self.rank:
             self._allocate(need)  # refills every resident slot, this one included
         else:
             self._fill(slot, host)
+
+    def _check_finite(self, host: HostAdapter) -> None:
+        """Refuse weights that are not finite in the slot dtype (module docstring: they would reach other rows)."""
+        for (layer, module), (a, b) in host.weights.items():
+            for tensor in (a, b * host.scale):
+                if not bool(torch.isfinite(tensor.to(self.dtype)).all()):
+                    raise AdapterError(f"adapter weights of layer {layer} {module} are not finite in {self.dtype}")
 
     @torch.no_grad()
     def _fill(self, slot: int, host: HostAdapter) -> None:
@@ -141,17 +165,16 @@ class LoraSlots:
                     offset += fan_out
 
     # -- forward --------------------------------------------------------------------------------------------------
-    def row_masks(self, row_slot: torch.Tensor, num_slots: int | None = None) -> dict[int, torch.Tensor]:
-        """Per member count M, the [rows, num_slots*M*R] 0/1 mask selecting each row's slot (-1: none)."""
+    def row_masks(self, row_slot: torch.Tensor, num_slots: int | None = None) -> RowMasks:
+        """The masks of rows whose adapters sit in `row_slot` (-1: none), over the first `num_slots` slots."""
         n = self.num_slots if num_slots is None else num_slots
-        return {m: (cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1)).to(self.dtype)
-                for m, cs in self._col_slot.items()}
+        cols = {m: cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
+        return RowMasks(cols, (row_slot >= 0).unsqueeze(1))
 
-    def factors(self, layer: int, group: str, x: torch.Tensor,
-                masks: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, B) with h = (x @ A_g) * mask, so that the LoRA contribution of `group` at `layer` for rows `x`
-        [N, in] is ``h @ B`` [N, out_total] (added by the caller, with addmm where it can)."""
-        M = len(GROUPS[group])
-        mask = masks[M]
+    def delta(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> torch.Tensor:
+        """The LoRA contribution of `group` at `layer` for rows `x` [N, in]: [N, out_1 + … + out_M], each row from
+        its own adapter only (module docstring)."""
+        mask = masks.cols[len(GROUPS[group])]
         cols = mask.shape[1]
-        return (x @ self.A[layer][group][:, :cols]) * mask, self.B[layer][group][:cols]
+        h = torch.where(mask, x @ self.A[layer][group][:, :cols], 0)
+        return torch.where(masks.rows, h @ self.B[layer][group][:cols], 0)

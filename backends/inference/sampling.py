@@ -12,8 +12,11 @@ Choices made here:
   themselves) and nothing here needs a per-request ``torch.Generator``, so the step is one CUDA graph. Drawing the
   token from ``softmax(logits / T)`` this way is exact multinomial sampling.
 - **top-p** keeps the smallest prefix of tokens (by descending probability) whose mass reaches ``top_p``: token ``i``
-  is kept when the mass strictly before it is ``< top_p``, so the most likely token is always kept.
-- **temperature 0** (or below) means greedy: ``argmax(logits)``.
+  is kept when the mass strictly before it is ``< top_p``. The most likely token is always kept, also when a tiny
+  ``top_p`` rounds to 0 in float32 (nothing would be kept, and the draw would fall on the last token).
+- **temperature below** ``SAMPLING_EPS = 1e-5`` (vLLM's ``_SAMPLING_EPS``; 0 included) means greedy:
+  ``argmax(logits)``. Dividing float32 logits by a smaller temperature overflows to inf (a subnormal one such as
+  1e-39 gives NaN probabilities), while at 1e-5 the distribution is already one-hot for any logit gap above ~1e-3.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 MASK64 = (1 << 64) - 1
+SAMPLING_EPS = 1e-5
 
 
 def splitmix64(x: int) -> int:
@@ -49,12 +53,12 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
-    logits [B, V] float32; temperature [B] (<= 0 means greedy); uniforms [B] float64 in [0, 1);
+    logits [B, V] float32; temperature [B] (< SAMPLING_EPS means greedy); uniforms [B] float64 in [0, 1);
     top_p [B] or None (None means 1 for every row, and skips the sort).
     Returns (tokens [B] int64, raw logprob of each token [B] float32, raw logprobs [B, V] float32).
     """
     raw = torch.log_softmax(logits, dim=-1)
-    greedy = temperature <= 0
+    greedy = temperature < SAMPLING_EPS
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
     vocab = logits.shape[-1]
@@ -65,6 +69,7 @@ def sample(
     else:
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
         keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p.unsqueeze(1)
+        keep[:, 0] = True
         cdf = (sorted_p * keep).double().cumsum(dim=-1)
         target = (uniforms * cdf[:, -1]).unsqueeze(1)
         pick = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)

@@ -4,16 +4,25 @@ Routes: ``POST /v1/chat/completions`` (`backends.serving.chat` has the request/r
 (text or token-id prompts, `completions` has the rules), ``GET /v1/models``,
 ``GET /health``, ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}``,
 ``POST /v1/unload_lora_adapter {"lora_name"}``. Errors are OpenAI-shaped, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for bad input (malformed messages, prompt longer than the context, unsupported parameters), 401
-without the API key, 404 for an unknown model (the message lists the names that exist), 500 for engine failures.
+"code"}}``: 400 for bad input (malformed messages, prompt longer than the context, unsupported parameters, an
+adapter path outside the adapter roots), 401 without the API key, 404 for an unknown model (the message lists the
+names that exist), 413 for a body over the size cap (`request_bodies`), 500 for engine failures.
 
-With ``api_key`` set, every route (``/health`` included) needs ``Authorization: Bearer <key>``. `start_server` runs
-uvicorn in a background thread bound to 127.0.0.1 by default; port 0 picks a free port.
+- **Key.** With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (vLLM's
+  rule: a load balancer's health check carries no key, and the answer tells nothing).
+- **The event loop only waits.** Bodies are parsed, validated, templated and tokenized, and responses built, on
+  worker threads (`request_bodies`, `tokenizer_pool`), so no request can hold up another or ``/health``.
+- **A client that goes away cancels its request.** While a completion runs, the handler also listens for the
+  client's disconnect; when it comes first, the request's sequences are aborted in the engine (streamed or not:
+  a stream is sent once the completion is done).
+
+`start_server` runs uvicorn in a background thread bound to 127.0.0.1 by default; port 0 picks a free port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -29,12 +38,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.inference.adapters import AdapterError, UnknownModel
 from backends.inference.engine import Engine, EngineConfig, EngineStopped, RequestError
 from backends.serving import completions as text_completions
+from backends.serving.adapter_sources import AdapterSources
 from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, stream_chunks
+from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES, BadBody, BodyTooLarge, read_json
+from backends.serving.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+          413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+OPEN_PATHS = ("/health",)
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -42,19 +55,63 @@ def error_response(status: int, message: str) -> JSONResponse:
                                    "code": status}}, status_code=status)
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
-    """The FastAPI app serving `engine`; with `api_key`, requests need `Authorization: Bearer <api_key>`."""
-    app = fastapi.FastAPI(title="trajflow embedded inference", docs_url=None, redoc_url=None, openapi_url=None)
-    names = TokenText(engine.tokenizer)
-    expected = f"Bearer {api_key}".encode() if api_key else None
+class KeyCheck:
+    """ASGI middleware: requests to any path but OPEN_PATHS need ``Authorization: Bearer <api_key>``."""
 
-    @app.middleware("http")
-    async def _auth(request: fastapi.Request, call_next):
-        if expected is not None:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')")
-        return await call_next(request)
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                reply = error_response(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')")
+                return await reply(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: fastapi.Request) -> None:
+    """Return when the client goes away (the body has been read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: fastapi.Request, work):
+    """Await `work` (a coroutine); if the client disconnects first, cancel it (which aborts its engine requests)
+    and raise ClientGone."""
+    job = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled (server shutdown): so is the work
+        job.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not job.done():
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        raise ClientGone()
+    return job.result()
+
+
+def create_app(engine: Engine, api_key: str | None = None, adapter_sources: AdapterSources | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> fastapi.FastAPI:
+    """The FastAPI app serving `engine`; with `api_key`, requests need `Authorization: Bearer <api_key>`.
+    `/v1/load_lora_adapter` reads only under `adapter_sources` (default: the trajflow cache); bodies are capped at
+    `max_body_bytes`."""
+    sources = adapter_sources or AdapterSources.default()
+    app = fastapi.FastAPI(title="trajflow embedded inference", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(KeyCheck, api_key=api_key)
+    names = TokenText(engine.tokenizer)
+    pool = app.state.tokenizers = TokenizerPool(engine.tokenizer)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
@@ -65,11 +122,11 @@ def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
         log.exception("unhandled error")
         return error_response(500, f"{type(exc).__name__}: {exc}")
 
-    async def _json(request: fastapi.Request):
-        try:
-            return await request.json()
-        except ValueError:
-            raise RequestError("the request body is not valid JSON") from None
+    async def _object(request: fastapi.Request) -> dict:
+        body = await read_json(request, max_body_bytes, pool.executor)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
 
     @app.get("/health")
     async def health():
@@ -90,24 +147,32 @@ def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: fastapi.Request):
         try:
-            body = await _json(request)
+            body = await _object(request)
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not isinstance(path, str):
                 return error_response(400, "lora_name and lora_path (strings) are required")
-            await asyncio.to_thread(engine.load_adapter, name, path, bool(body.get("load_inplace", False)))
-        except (AdapterError, RequestError) as e:
+            inplace = body.get("load_inplace", False)
+            if not isinstance(inplace, bool):
+                return error_response(400, f"load_inplace must be true or false, got {inplace!r}")
+            sources.check(path)
+            await asyncio.to_thread(engine.load_adapter, name, path, inplace)
+        except BodyTooLarge as e:
+            return error_response(413, str(e))
+        except (AdapterError, BadBody, RequestError) as e:
             return error_response(400, str(e))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: fastapi.Request):
         try:
-            body = await _json(request)
+            body = await _object(request)
             name = body.get("lora_name")
             if not isinstance(name, str):
                 return error_response(400, "lora_name (a string) is required")
             engine.unload_adapter(name)
-        except RequestError as e:
+        except BodyTooLarge as e:
+            return error_response(413, str(e))
+        except (BadBody, RequestError) as e:
             return error_response(400, str(e))
         except UnknownModel as e:
             return error_response(404, f"The lora adapter '{name}' cannot be found. Loaded: "
@@ -123,39 +188,52 @@ def create_app(engine: Engine, api_key: str | None = None) -> fastapi.FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def _answer(request: fastapi.Request, work, chunker):
-        """Run `work(body)` -> (request, response JSON) with the dialect's error mapping; stream if asked."""
+        """Run `work(body)` -> (request, response JSON) with the dialect's error mapping, cancelled when the client
+        disconnects; stream if asked."""
         try:
-            req, response = await work(await _json(request))
-        except RequestError as e:
+            body = await _object(request)
+            req, response = await until_disconnect(request, work(body))
+        except BodyTooLarge as e:
+            return error_response(413, str(e))
+        except (BadBody, RequestError) as e:
             return error_response(400, str(e))
         except UnknownModel as e:
             return error_response(404, str(e))
         except EngineStopped as e:
             return error_response(503, str(e))
+        except ClientGone:
+            log.info("%s %s: the client disconnected; its request was cancelled", request.method, request.url.path)
+            return error_response(499, "the client disconnected")
         if not req.stream:
             return JSONResponse(response)
         return _streamed(chunker(response, bool((req.stream_options or {}).get("include_usage"))))
 
-    async def _chat(body):
+    def _chat_prompt(tokenizer, body):
         req = parse_request(body)
         engine.adapters.resolve(req.model)  # 404 before the template work
-        prompt = render_prompt(engine.tokenizer, req)
-        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
-        return req, response_json(req, prompt, completions, names)
+        return req, render_prompt(tokenizer, req)
 
-    async def _complete(body):
+    async def _chat(body):
+        req, prompt = await pool.run(_chat_prompt, body)
+        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
+        return req, await pool.run(lambda _tok: response_json(req, prompt, completions, names))
+
+    def _completion_prompts(tokenizer, body):
         req = text_completions.parse_completion_request(body)
         engine.adapters.resolve(req.model)
-        prompts = text_completions.completion_prompts(engine.tokenizer, req, engine.vocab)
+        return req, text_completions.completion_prompts(tokenizer, req, engine.vocab)
+
+    async def _complete(body):
+        req, prompts = await pool.run(_completion_prompts, body)
         params = req.sampling_params()
         jobs = [asyncio.ensure_future(engine.generate(p, params, req.model, req.n)) for p in prompts]
         try:
             results = await asyncio.gather(*jobs)
         except BaseException:
-            for job in jobs:  # one prompt failed: abort the others rather than compute unused answers
+            for job in jobs:  # one prompt failed (or the client left): abort the others rather than compute them
                 job.cancel()
             raise
-        return req, text_completions.response_json(req, prompts, results, names)
+        return req, await pool.run(lambda _tok: text_completions.response_json(req, prompts, results, names))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request):
@@ -186,6 +264,7 @@ class ServerHandle:
     def stop(self, timeout: float = 30) -> None:
         self._server.should_exit = True
         self._thread.join(timeout)
+        self._server.config.app.state.tokenizers.shutdown()
         if self._owns_engine:
             self.engine.shutdown()
 
@@ -197,27 +276,53 @@ class ServerHandle:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port): connections made before uvicorn runs wait in the backlog rather than
+    being refused, so a client may connect as soon as the address is printed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """An unkeyed server must stay on loopback: ValueError for any other bind address without a key."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(f"binding {host} needs an API key (--api-key or $TRAJFLOW_API_KEY): without one, anyone who "
+                         "reaches the port can generate and load adapters; an unkeyed server stays on 127.0.0.1")
 
 
 def start_server(model: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  device: str = "cpu", max_loras: int = 4, served_name: str | None = None,
                  engine: Engine | None = None, config: EngineConfig | None = None,
-                 startup_timeout: float = 60) -> ServerHandle:
-    """Serve `model` (or the given `engine`) from a background thread; returns once /health answers."""
+                 startup_timeout: float = 60, adapter_roots: list[str] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerHandle:
+    """Serve `model` (or the given `engine`) from a background thread; returns once /health answers.
+    `adapter_roots` are where adapters may be loaded from besides the trajflow cache (`adapter_sources`)."""
     import httpx
     import uvicorn
 
+    check_exposure(host, api_key)
+    sources = AdapterSources.default(adapter_roots)
     owns = engine is None
     if engine is None:
         cfg = (config or EngineConfig()).model_copy(update={"max_loras": max_loras})
         engine = Engine.from_pretrained(model, device=device, served_name=served_name, config=cfg)
-    app = create_app(engine, api_key)
+    app = create_app(engine, api_key, sources, max_body_bytes)
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))

@@ -7,6 +7,9 @@ Dialect (what vLLM's OpenAI server does, so callers cannot tell the two apart):
   return_token_ids, return_tokens_as_token_ids, logprobs_mode``. Unknown extra keys are ignored; features we do not
   implement but whose values would change the answer (penalties, logit_bias, top_k, min_p, json response formats,
   ``logprobs_mode`` other than raw) are refused with a 400 rather than silently dropped.
+- Refused as OpenAI and vLLM refuse them: values of the wrong JSON type (no coercion of ``"2"`` to 2),
+  ``top_logprobs`` without ``logprobs: true``, ``stop_token_ids`` outside the vocabulary, a tool whose
+  ``parameters`` is not a JSON Schema object.
 - The response carries ``prompt_token_ids`` at the top level (vLLM) and per choice, and per choice ``token_ids``
   (every sampled id, EOS included) and ``stop_reason``. ``logprobs.content[j]`` exists for every sampled token when
   ``logprobs`` is true; its logprob is the raw one (`backends.inference.sampling`).
@@ -25,7 +28,7 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError, SamplingParams
 from backends.serving.tool_calls import parse_tool_calls
@@ -34,9 +37,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class SamplingFields(BaseModel):
-    """Request fields chat and text completions share (extra keys are kept and ignored)."""
+    """Request fields chat and text completions share (extra keys are kept and ignored). Types are strict, as
+    OpenAI's are: ``"n": "2"`` or ``"max_tokens": 5.0`` is refused rather than coerced (an int is a valid float)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -94,6 +98,12 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true (as in OpenAI's API)")
+        return self
 
     @field_validator("tool_choice")
     @classmethod
@@ -190,9 +200,13 @@ def _check_tools(req: ChatRequest) -> list[dict] | None:
     names = []
     for i, tool in enumerate(req.tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(
-                fn.get("name"), str):
+        if (not isinstance(fn, dict) or tool.get("type", "function") != "function"
+                or not isinstance(fn.get("name"), str)):
             raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        params = fn.get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON Schema object "
+                               f"({{'type': 'object', 'properties': ...}}), got {params!r:.80}")
         names.append(fn["name"])
     if isinstance(req.tool_choice, dict) and req.tool_choice["function"]["name"] not in names:
         raise RequestError(f"tool_choice names {req.tool_choice['function']['name']!r}, not among the tools "

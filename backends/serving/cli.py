@@ -1,11 +1,16 @@
 """`trajflow serve`: the embedded inference server in the foreground (SIGTERM / Ctrl-C shut it down cleanly).
 
-Importing this module is light (argparse only); torch and transformers load inside the command.
+Importing this module is light (argparse only); torch and transformers load inside the command. A bad argument
+ends the command with one line on stderr naming it, and exit code 2 (argparse's code for usage errors): values
+are checked before the model loads, the device once torch is imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+
+from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES
 
 
 def register(subparsers) -> None:
@@ -22,6 +27,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences decoded together (default 64)")
     p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion in tokens")
     p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
+                   help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
+                        "other places and URL schemes (http, ...) are refused")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                   help=f"largest request body in MiB; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20})")
     p.set_defaults(func=serve)
 
 
@@ -47,26 +57,77 @@ def _server_class():
     return Server
 
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot work; its message is the one line printed."""
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """Checks that need no torch: port range, body cap, device spelling."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: a port is 0..65535 (0 picks a free one)")
+    if not args.max_body_mb > 0:
+        raise UsageError(f"--max-body-mb {args.max_body_mb}: must be positive")
+    if not _DEVICE.fullmatch(args.device):
+        raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+
+
+def _check_device(device: str) -> None:
+    """The CUDA device must exist in this process (torch raises deep inside the model load otherwise)."""
+    import torch
+
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count()} GPUs visible)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
+
+
+def _engine_config(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from backends.inference.engine import EngineConfig
+
+    updates = {"max_loras": args.max_loras, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len}
+    try:
+        return EngineConfig(**{k: v for k, v in updates.items() if v is not None})
+    except ValidationError as e:
+        raise UsageError("; ".join(f"--{str(err['loc'][0]).replace('_', '-')} {updates.get(err['loc'][0])}: "
+                                   f"{err['msg'].lower()}" for err in e.errors())) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT, then stop the engine. Returns the exit code."""
     import logging
     import os
     import sys
 
+    from backends.serving.adapter_sources import AdapterSources
+    from backends.serving.app import check_exposure
+
+    api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
+    try:
+        _check_values(args)
+        check_exposure(args.host, api_key)
+        sources = AdapterSources.default(args.adapter_root)
+        config = _engine_config(args)
+        _check_device(args.device)
+    except ValueError as e:
+        print(f"trajflow serve: {e}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
-    from backends.inference.engine import Engine, EngineConfig
+    from backends.inference.engine import Engine
     from backends.serving.app import bind_socket, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
-    updates = {"max_loras": args.max_loras}
-    if args.max_batch_size:
-        updates["max_batch_size"] = args.max_batch_size
-    if args.max_seq_len:
-        updates["max_seq_len"] = args.max_seq_len
     try:
-        config = EngineConfig(**updates)
         engine = Engine.from_pretrained(args.model, device=args.device, served_name=args.served_name, config=config)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"trajflow serve: {e}", file=sys.stderr)
@@ -80,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    server = _server_class()(uvicorn.Config(create_app(engine, api_key), log_level="info", lifespan="off"))
+    app = create_app(engine, api_key, sources, int(args.max_body_mb * 2**20))
+    server = _server_class()(uvicorn.Config(app, log_level="info", lifespan="off"))
     try:
         server.run(sockets=[sock])
     finally:

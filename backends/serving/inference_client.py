@@ -47,7 +47,8 @@ class InferenceClient:
             return await http.request(method, path, **kw)
 
     async def health(self) -> bool:
-        """True when GET /health answers 200 (False on any error, wrong key included)."""
+        """True when GET /health answers 200 (False on any error). /health needs no key (vLLM's rule), so a wrong key
+        shows only in the other calls."""
         try:
             return (await self._request("GET", self.root + "/health")).status_code == 200
         except httpx.HTTPError:

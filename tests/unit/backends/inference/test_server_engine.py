@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backends.inference.engine import Engine, EngineConfig, RequestError, SamplingParams
+from tests.fixtures_server import wait_until
 from tests.unit.backends.serving.test_server import MESSAGES, teacher_forced_logprobs
 
 
@@ -41,7 +42,7 @@ async def test_more_choices_than_slots_is_a_request_error(fused_engine):
 async def test_cancelled_request_frees_its_slots(fused_engine):
     task = asyncio.create_task(fused_engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True),
                                                      n=8))
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: fused_engine.activity()["running"] == 8, 30, "the 8 sequences to run")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

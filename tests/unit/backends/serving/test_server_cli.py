@@ -11,6 +11,7 @@ import sys
 import time
 
 import openai
+import pytest
 
 from tests.paths import REPO
 
@@ -28,6 +29,47 @@ def test_register_parses_the_documented_flags():
     assert (args.model, args.host, args.port, args.api_key, args.device, args.max_loras) == (
         "smollm2-135m", "127.0.0.1", 0, "k", "cuda", 2)
     assert args.func is serve
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    from backends.serving.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["serve", "--model", "tiny-random", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "banana"], "--device 'banana': expected cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: "),
+    (["--port", "70000"], "--port 70000: a port is 0..65535"),
+    (["--port", "-1"], "--port -1: a port is 0..65535"),
+    (["--max-loras", "0"], "--max-loras 0: input should be greater than or equal to 1"),
+    (["--max-batch-size", "0"], "--max-batch-size 0: input should be greater than or equal to 1"),
+    (["--max-seq-len", "3"], "--max-seq-len 3: input should be greater than or equal to 16"),
+    (["--max-body-mb", "0"], "--max-body-mb 0.0: must be positive"),
+    (["--host", "0.0.0.0"], "binding 0.0.0.0 needs an API key"),
+    (["--adapter-root", "http://example.com/adapters"], "adapter root 'http://example.com/adapters'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_arguments_end_in_one_line_and_exit_code_2(tiny_model_path, monkeypatch, capsys, argv, message):
+    from backends.serving import cli
+
+    class NeverServe:  # a value that slipped through would otherwise start a server here
+        def __init__(self, *a, **kw):
+            raise AssertionError(f"{argv} reached serving")
+
+    monkeypatch.setattr(cli, "_server_class", lambda: NeverServe)
+    monkeypatch.delenv("TRAJFLOW_API_KEY", raising=False)
+    assert cli.serve(_parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trajflow serve: ") and message in err, err
+
+
+def test_a_bad_device_through_the_trajflow_command_is_one_line(tiny_model_path):
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "--model", "tiny-random", "--device", "banana"],
+                         check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == "trajflow serve: --device 'banana': expected cpu, cuda or cuda:N\n"
 
 
 def test_importing_the_cli_does_not_import_torch():
@@ -51,14 +93,10 @@ def test_serve_answers_openai_and_stops_on_sigterm(tiny_model_path):
             m = re.search(r"at (http://\S+/v1)", line)
             url = m.group(1) if m else None
         assert url, "".join(lines)
-        client = openai.OpenAI(base_url=url, api_key="cli-key", max_retries=0)
-        for _ in range(100):  # the socket is bound before uvicorn starts accepting
-            try:
-                reply = client.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True,
-                                                       messages=[{"role": "user", "content": "hi"}])
-                break
-            except openai.APIConnectionError:
-                time.sleep(0.1)
+        # the socket listens before the address is printed: the connection waits in its backlog for uvicorn
+        client = openai.OpenAI(base_url=url, api_key="cli-key", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True,
+                                               messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].token_ids and len(reply.choices[0].logprobs.content) == len(reply.choices[0].token_ids)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
