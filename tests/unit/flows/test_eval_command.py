@@ -7,7 +7,7 @@ import json
 from flows.cli import build_parser
 
 
-def test_a_successful_eval_prints_no_logging_error(prefect_api, tmp_path, tiny_model_path, capfd):
+def test_a_successful_eval_prints_no_logging_error(prefect_api, tmp_path, tiny_model_path, capfd, command_console):
     # the validation score line is logged with step None (an evaluation belongs to no training step)
     args = build_parser().parse_args(["eval", "configs/tiny.yaml", "--set", f"storage={tmp_path}", "--set",
                                       "agent=tests.flow_agents:EchoAgent", "--set", "eval_scenarios=2"])
