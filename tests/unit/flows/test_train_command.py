@@ -24,6 +24,19 @@ def _prefect_console_shows(logger: str) -> bool:
     return bool(handlers) and all(h.filter(record) for h in handlers)
 
 
+def _ui_log_lines(summary: str, logger: str) -> list[str]:
+    """The lines of `logger` in the Prefect UI's log of the flow run whose page `summary` links to."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # logs go to the API in the background
+    flow_run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", summary).group(1)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs if log.name == logger]
+
+
 def test_train_ends_with_where_the_run_is_and_what_to_run_next(prefect_api, tmp_path, tiny_model_path, capsys,
                                                                   monkeypatch, command_console):
     monkeypatch.setenv("TRAJFLOW_LOG_DIR", str(tmp_path / "logs"))
@@ -56,6 +69,8 @@ def test_train_ends_with_where_the_run_is_and_what_to_run_next(prefect_api, tmp_
     assert "Finished in state Completed()" in log and "task run 'train-" in log and "step 1: train/reward=" in log
 
     assert not _prefect_console_shows("prefect.task_runs")
+    assert any(line.startswith("step 1: train/reward=") for line in _ui_log_lines(out, "trajflow"))  # and the UI's
+
 
     # again: nothing to do, and said so
     assert main(["train", TINY, *sets, "--set", "steps=1"]) == 0
