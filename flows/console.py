@@ -99,9 +99,10 @@ def setup_console(verbose: bool = False, log_file: Path | None = None, command: 
 
 
 def reset_console() -> None:
-    """Undo `setup_console` in a process that runs several commands (tests): its handlers, filter and warnings capture.
+    """Take out what `setup_console` installed (handlers, filter, warnings capture): before a new set-up, and in tests.
 
-    A command's own process never calls it: Prefect's temporary server logs its stop at exit, off the console.
+    A command leaves its set-up in place until the process ends: Prefect's temporary server logs its stop at exit,
+    and that line belongs in the log file, not on the console.
     """
     trajflow = logging.getLogger("trajflow")
     _remove_own(trajflow)

@@ -102,7 +102,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if _evaluate_due(config, 0):
                 metrics.update(with_run_storage(evaluate_policy)(config, 0))
             store.commit(0, metrics, extra={"policy": config.policy(0)})
-            log.info(format_step_line(0, metrics, config.policy(0)))
+            log.info("%s", format_step_line(0, metrics, config.policy(0)))
             last = 0
         else:
             metrics = store.read_manifest(last).metrics
@@ -134,7 +134,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if pruned:
                 log.info("retention pruned checkpoints of steps %s", pruned)
             publish_run_artifacts(store)
-            log.info(format_step_line(step, metrics, config.policy(step)))
+            log.info("%s", format_step_line(step, metrics, config.policy(step)))
         return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
                 "flow_run_url": flow_run_url}
     finally:
