@@ -12,7 +12,7 @@ run: $(STAMP)
 	$(BIN)/trajflow train configs/default.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 venv: $(STAMP)
 

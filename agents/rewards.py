@@ -37,7 +37,7 @@ class RewardComponent(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="component name as the agent's reward dict spells it; logged as reward/<name>")
+    name: str = Field(description="component name as the agent's reward dict spells it; logged as `reward/<name>`")
     weight: float = Field(default=1.0, description="multiplier in the weighted sum; 0 logs the component without training on it")
 
     @field_validator("name")
@@ -66,8 +66,8 @@ class RewardConfig(BaseModel):
     )
     mode: CombineMode = Field(
         default="replace",
-        description="how a judge score j combines with the agent's own reward r: replace (j; pure RULER), "
-        "add (r + judge_weight*j; keeps a hard signal), weighted ((1-judge_weight)*r + judge_weight*j)",
+        description="how a judge score `j` combines with the agent's own reward `r`: `replace` (`j`; pure RULER), "
+        "`add` (`r + judge_weight*j`; keeps a hard signal), `weighted` (`(1-judge_weight)*r + judge_weight*j`)",
     )
     judge_weight: float = Field(
         default=1.0,

@@ -1,4 +1,4 @@
-"""What the flow commands accept and how they log, for `trajflow train|eval` and `python -m flows.train|evaluate`.
+"""What the flow commands accept, for `trajflow train|eval|config show` and `python -m flows.train|evaluate`.
 
 Standard library only, so building the `trajflow` parser imports no flow. It is a module of its own because
 flows/cli.py imports the flows (lazily, to run them): were the parsers in flows/cli.py, a flow's ``__main__`` block
@@ -8,7 +8,9 @@ would import flows/cli.py back and close an import circle.
 from __future__ import annotations
 
 import argparse
-import logging
+
+CONFIG_HELP = ("The config keys, their values and what each one trades off: `trajflow config show [CONFIG] "
+               "[--set ...]` prints the effective config as YAML, each field's description as a comment.")
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,28 +19,37 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config field, dotted for nested ones (repeatable): --set steps=3")
 
 
+def _console_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show Prefect's own log lines and library warnings on the console "
+                        "(they always go to the run's log file and the Prefect UI)")
+
+
 def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """CONFIG and --set; `parser` is `trajflow train`'s subparser, or None for `python -m flows.train`'s own."""
+    """CONFIG, --set, --json, --verbose; `parser` is `trajflow train`'s subparser, or None (`python -m flows.train`)."""
     parser = parser or argparse.ArgumentParser(prog="python -m flows.train", description="Train an agent with GRPO.")
+    parser.epilog = CONFIG_HELP
     _config_arguments(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="end with one JSON object (run, storage, step, metrics, paths) instead of the summary")
+    _console_arguments(parser)
     return parser
 
 
 def eval_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """CONFIG, --set and --policy; `parser` is `trajflow eval`'s subparser, or None for `python -m flows.evaluate`'s."""
+    """CONFIG, --set, --policy, --verbose; `parser` is `trajflow eval`'s subparser, or None (`-m flows.evaluate`)."""
     parser = parser or argparse.ArgumentParser(prog="python -m flows.evaluate", description="Evaluate policies.")
+    parser.epilog = CONFIG_HELP
     _config_arguments(parser)
     parser.add_argument("--policy", dest="policies", action="append", default=[], metavar="NAME",
                         help="policy to evaluate: base, <run>@<step>, or url=<base_url>,model=<name> (repeatable)")
+    _console_arguments(parser)
     return parser
 
 
-def log_to_terminal() -> None:
-    """Show trajflow's progress lines in the terminal (environment defaults: see flows/__init__.py)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s trajflow: %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("trajflow")
-    if not logger.handlers:
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+def config_show_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """CONFIG and --set of `trajflow config show`."""
+    parser.description = ("Print the effective config (CONFIG, or the defaults, with --set applied) as YAML, each "
+                          "field's description as a comment. The output is itself a valid config file.")
+    _config_arguments(parser)
+    return parser

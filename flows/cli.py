@@ -1,4 +1,4 @@
-"""The `trajflow` command: `train` and `eval` run the flows; the other areas register their own subcommands.
+"""The `trajflow` command: `train` and `eval` run the flows, `config show` prints a config; other areas add their own.
 
 Building the parser stays light (argparse only): a flow, and everything it imports, loads when its command runs.
 `python -m flows.train` and `python -m flows.evaluate` take the same arguments (flows/arguments.py).
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from flows.arguments import eval_parser, train_parser
+from flows.arguments import config_show_parser, eval_parser, train_parser
 
 # module -> what it adds: backends (serve, backend serve), storage (runs)
 _COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli")
@@ -28,12 +28,23 @@ def _run_eval(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _run_config_show(args: argparse.Namespace) -> int:
+    from flows.config_show import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trajflow",
                                      description="Train LLM agents with GRPO in durable Prefect flows.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_parser(sub.add_parser("train", help="train an agent (resumes a stored run)")).set_defaults(func=_run_train)
     eval_parser(sub.add_parser("eval", help="evaluate policies on the validation split")).set_defaults(func=_run_eval)
+    config = sub.add_parser("config", help="show the effective config with each field's description",
+                            description="Work with RunConfig files.")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    config_show_parser(config_sub.add_parser("show", help="print the effective config as commented YAML")
+                       ).set_defaults(func=_run_config_show)
     for name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

@@ -10,21 +10,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from typing import Any
 
 from prefect import flow
 
-from flows.arguments import eval_parser, log_to_terminal
+from flows.arguments import eval_parser
+from flows.command import run_flow_command
+from flows.console import announce_flow_run
+from flows.preflight import USAGE_EXIT, CommandError
 from storage.layout import evaluation_dir, evaluation_file, scored_file
 from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
-from tasks.run_config import RunConfig, load_config
+from tasks.run_config import RunConfig
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
 from tasks.support.reporting import chart_png, png_markdown
 from tasks.support.runtime import close_runtime, get_runtime
+
+log = logging.getLogger("trajflow")
 
 
 def parse_policy(spec: str, config: RunConfig) -> dict[str, Any]:
@@ -79,6 +85,7 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
 def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
     """Evaluate each policy on the first `eval_scenarios` validation scenarios; returns one row per policy."""
     parsed = [parse_policy(p, config) for p in policies]
+    announce_flow_run()
     stamp = time.strftime("%Y%m%dT%H%M%S")
     results = []
     try:
@@ -90,7 +97,7 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
                 close_runtime(cfg)
             else:
                 results.append(asyncio.run(_evaluate_one(config, policy, stamp)))
-            print(f"{results[-1]['policy']}: val/reward={results[-1]['val/reward']:.4f}")
+            log.info("%s: val/reward=%.4f", results[-1]["policy"], results[-1]["val/reward"])
         store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
         store.put_json(None, evaluation_file(stamp, "json"), results)
         png = _bar_chart(results)
@@ -110,10 +117,19 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
 
 def run_command(args: argparse.Namespace) -> int:
     """`trajflow eval` and `python -m flows.evaluate`: evaluate each --policy (default: base), print the rows."""
-    log_to_terminal()
-    config = load_config(args.config, args.overrides)
-    print(json.dumps(evaluate(config, args.policies or ["base"]), default=str, indent=2))
-    return 0
+    policies = args.policies or ["base"]
+
+    def check(config: RunConfig) -> None:
+        for spec in policies:
+            try:
+                parse_policy(spec, config)
+            except ValueError as exc:
+                raise CommandError(str(exc), USAGE_EXIT) from None
+
+    def body(config: RunConfig, log_file) -> str:
+        return json.dumps(evaluate(config, policies), default=str, indent=2)
+
+    return run_flow_command("trajflow eval", args, body, check)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -25,11 +24,16 @@ from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
 from backends.policy.checkpoints import training_result
-from flows.arguments import log_to_terminal, train_parser
+from flows.arguments import train_parser
+from flows.command import run_flow_command
+from flows.console import announce_flow_run
+from flows.deployment_defaults import with_deployment_defaults
+from flows.preflight import check_run
+from flows.summary import json_result, train_summary
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
 from tasks.rollouts import run_rollouts
-from tasks.run_config import RunConfig, check_run_identity, load_config
+from tasks.run_config import RunConfig, check_run_identity
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.support.crash_points import crash_point
@@ -70,7 +74,13 @@ def _evaluate_due(config: RunConfig, step: int) -> bool:
 
 @flow(name="train", log_prints=True)
 def train(config: RunConfig) -> dict[str, Any]:
-    """Train `config.agent` until `config.steps` steps are committed; returns the last step's metrics."""
+    """Train `config.agent` until `config.steps` steps are committed.
+
+    Returns {step: the last committed step, metrics: its metrics, resumed_from: the last step committed before
+    this run (None for a new run), flow_run_url: its page in the Prefect UI or None}.
+    """
+    config = with_deployment_defaults(config)  # a partial config from `prefect deployment run -p` fills in
+    flow_run_url = announce_flow_run()
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     store = rt.store
     check_run_identity(store.read_run_config(), config)
@@ -84,7 +94,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     try:
         committed = store.committed_steps()
         last = committed[-1] if committed else None
-        metrics: dict[str, Any] = {}
+        resumed_from = last
         if last is None:
             training = initialize_policy_fn(config)
             publish = with_run_storage(publish_policy)(config, 0, training)
@@ -92,12 +102,13 @@ def train(config: RunConfig) -> dict[str, Any]:
             if _evaluate_due(config, 0):
                 metrics.update(with_run_storage(evaluate_policy)(config, 0))
             store.commit(0, metrics, extra={"policy": config.policy(0)})
-            print(format_step_line(0, metrics))
+            log.info("%s", format_step_line(0, metrics, config.policy(0)))
             last = 0
         else:
+            metrics = store.read_manifest(last).metrics
             training = training_result(store, last)
             with_run_storage(publish_policy)(config, last, training)
-            print(f"resuming {config.project}/{config.run} after committed step {last}")
+            log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
         for step in range(last + 1, config.steps + 1):
             timer = StageTimer()
             with timer("sample"):
@@ -122,20 +133,22 @@ def train(config: RunConfig) -> dict[str, Any]:
                                            config.retention.mode)
             if pruned:
                 log.info("retention pruned checkpoints of steps %s", pruned)
-            publish_run_artifacts(store, config.run)
-            print(format_step_line(step, metrics))
-        return {"step": store.latest_step(), "metrics": metrics}
+            publish_run_artifacts(store)
+            log.info("%s", format_step_line(step, metrics, config.policy(step)))
+        return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
+                "flow_run_url": flow_run_url}
     finally:
         close_runtime(config)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`trajflow train` and `python -m flows.train`: run the flow on CONFIG (with --set overrides), print the result."""
-    log_to_terminal()
-    config = load_config(args.config, args.overrides)
-    result = train(config)
-    print(json.dumps({"run": f"{config.project}/{config.run}", "storage": config.storage, **result}, default=str))
-    return 0
+    """`trajflow train` and `python -m flows.train`: run the flow, end with a summary (or one JSON line with --json)."""
+
+    def body(config: RunConfig, log_file) -> str:
+        result = train(config)
+        return json_result(config, result, log_file) if args.json else train_summary(config, args, result, log_file)
+
+    return run_flow_command("trajflow train", args, body, check_run)
 
 
 if __name__ == "__main__":

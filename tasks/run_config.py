@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agents.judge import JudgeConfig
 from agents.model import policy_name
 from agents.rewards import RewardConfig
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
+from tasks.config_errors import ConfigError, describe
 
 log = logging.getLogger("trajflow")
 
@@ -30,10 +31,10 @@ class InferenceConfig(BaseModel):
 
     backend: Literal["embedded", "vllm", "url"] = Field(
         default="embedded",
-        description="embedded: our transformers server in the flow's process (CPU default); vllm: launch `vllm serve` "
-        "(GPU); url: an already running server speaking the dialect",
+        description="`embedded`: our transformers server in the flow's process (CPU default); `vllm`: launch "
+        "`vllm serve` (GPU); `url`: an already running server speaking the dialect",
     )
-    url: str | None = Field(default=None, description="base URL (…/v1) when backend=url")
+    url: str | None = Field(default=None, description="base URL (`…/v1`) when `backend=url`")
     api_key_env: str = Field(default="TRAJFLOW_INFERENCE_API_KEY",
                              description="env var holding the server's API key; never put the key itself in config")
     device: str = Field(default="auto", description="device for the embedded server: auto (cuda if present), cpu, cuda")
@@ -48,7 +49,7 @@ class InferenceConfig(BaseModel):
         default=None, gt=0,
         description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
         "smaller catches subtler stale adapters. None: 0.05 for a float32 trainer, 0.25 for bfloat16 "
-        "(backends/policy/probe.py AUTO_PROBE_TOLERANCE)",
+        "(`AUTO_PROBE_TOLERANCE` in `backends/policy/probe.py`)",
     )
 
 
@@ -81,41 +82,48 @@ class TrainingPlacement(BaseModel):
 
     mode: Literal["local", "deployment"] = Field(
         default="local",
-        description="local: in the flow's process on its device; deployment: run flows/train_step.py as a Prefect "
-        "deployment on a GPU work pool (inputs and outputs through storage)",
+        description="`local`: in the flow's process on its device; `deployment`: run `flows/train_step.py` as a "
+        "Prefect deployment on a GPU work pool (inputs and outputs through storage)",
     )
-    deployment: str = Field(default="train-step/gpu", description="<flow>/<deployment> name used when mode=deployment")
+    deployment: str = Field(default="train-step/gpu",
+                            description="`<flow>/<deployment>` name used when `mode=deployment`")
     device: str = Field(default="auto", description="training device for local mode: auto, cpu, cuda, cuda:1")
     timeout_s: float = Field(default=3600.0, description="how long to wait for a remote training run")
 
 
 class RunConfig(BaseModel):
-    """One training run: agent, model, serving, training, storage and schedule."""
+    """One training run: agent, model, storage and schedule first, then the trainer, then the internals."""
 
     model_config = ConfigDict(extra="forbid")
 
-    project: str = Field(default="trajflow", description="groups runs in storage: <storage>/<project>/<run>")
-    run: str = Field(default="default", description="run name; also the served policy name <run>@<step>")
-    agent: str = Field(default="arithmetic", description="agent name from agents.registry, or 'module:attr'")
-    agent_options: dict[str, Any] = Field(default_factory=dict, description="keyword options for the agent")
-    base_model: str = Field(default="smollm2-135m", description="smollm2-135m, tiny-random or a local HF folder")
-    storage: str = Field(default="runs", description="storage root: a local folder, file:// or s3:// URL")
-    seed: int = Field(default=0, description="seeds scenario order, LoRA init and every rollout's sampling")
-    steps: int = Field(default=5, ge=0, description="train until this many steps are committed")
+    # Declaration order is the order of the Prefect UI's form: the knobs most runs change come first, the sections
+    # few people open (rollout concurrency, serving, placement, retention) last.
+    agent: str = Field(default="arithmetic",
+                       description="agent name from `agents/registry.py`, or `module:attr` for your own")
+    base_model: str = Field(default="smollm2-135m",
+                            description="`smollm2-135m`, `tiny-random` or a local Hugging Face model folder")
+    storage: str = Field(default="runs", description="storage root: a local folder, a `file://` or an `s3://` URL")
+    run: str = Field(default="default", description="run name; also the served policy name `<run>@<step>`")
+    steps: int = Field(default=5, ge=0, description="train until this many steps are committed (step 0 is the "
+                       "untrained policy)")
     group_size: int = Field(default=4, ge=1, description="rollouts per scenario (the GRPO group); larger = better baseline")
     groups_per_step: int = Field(default=4, ge=1, description="scenarios per step; more = less noisy gradient, slower step")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig,
+                                   description="GRPO trainer settings, the learning rate first")
     eval_every: int = Field(default=0, ge=0, description="evaluate on validation scenarios every k steps; 0 = never")
     eval_scenarios: int = Field(default=16, ge=1, description="validation scenarios per evaluation")
     eval_at_start: bool = Field(default=False, description="also evaluate the base policy before the first step")
+    project: str = Field(default="trajflow", description="groups runs in storage: `<storage>/<project>/<run>`")
+    seed: int = Field(default=0, description="seeds scenario order, LoRA init and every rollout's sampling")
+    agent_options: dict[str, Any] = Field(default_factory=dict, description="keyword options for the agent")
     max_tokens: int | None = Field(default=None, description="default max_tokens per completion when the agent sets none")
-    inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
-    rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="GRPO trainer settings")
-    judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
     rewards: RewardConfig = Field(default_factory=RewardConfig,
                                   description="reward component weights and how a judge score combines with them")
-    retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
+    judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
+    rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
+    inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
+    retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
 
     # What a run IS: continuing a stored run under other values would mix two experiments under one name. Of the
     # trainer, only TrainerConfig.IDENTITY_FIELDS count (see check_run_identity).
@@ -185,23 +193,42 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key = key.strip()
         if not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
-        _set_dotted(data, key, yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--set {key}: the value {raw!r} is not valid YAML ({exc.problem}); quote it "
+                             f"to pass a string: --set {key}='\"...\"'") from None
+        _set_dotted(data, key, value)
     return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML RunConfig (or defaults when path is None) and apply overrides; errors name the file."""
+    """Read a YAML RunConfig (or defaults when path is None) and apply overrides.
+
+    Every mistake raises ConfigError with one line per problem (tasks/config_errors.py): a missing or unreadable
+    file, bad YAML, a malformed --set, an unknown key (with the key meant), a value out of range.
+    """
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
             loaded = yaml.safe_load(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"config file not found: {path}") from None
+            raise ConfigError([f"config file not found: {path}"]) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError([f"cannot read config file {path}: {exc.strerror or exc}"
+                               if isinstance(exc, OSError) else f"{path}: not a text file"]) from None
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+            raise ConfigError([f"{path}: not valid YAML: {' '.join(str(exc).split())}"]) from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of RunConfig fields, got {type(loaded).__name__}")
+            raise ConfigError([f"{path}: expected a mapping of RunConfig fields, got {type(loaded).__name__}"])
         data = loaded or {}
-    apply_overrides(data, overrides or [])
-    return RunConfig.model_validate(data)
+    try:
+        apply_overrides(data, overrides or [])
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe(RunConfig, exc)) from None
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None

@@ -52,7 +52,7 @@ class TrainerConfig(BaseModel):
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         default="constant",
         description="Learning-rate shape after warmup. 'constant' suits open-ended RL (no known end); "
-        "'cosine'/'linear' decay to min_lr_ratio*learning_rate at total_steps and need total_steps.",
+        "'cosine'/'linear' decay to `min_lr_ratio*learning_rate` at total_steps and need total_steps.",
     )
     warmup_steps: int = Field(
         default=0, ge=0,
@@ -91,8 +91,8 @@ class TrainerConfig(BaseModel):
     # --- objective --------------------------------------------------------------------------------
     loss: Literal["cispo", "ppo", "gspo"] = Field(
         default="cispo",
-        description="Policy objective. 'cispo': -sg(clip(ratio)) * A * logp, every token keeps a gradient "
-        "(ART's default). 'ppo': -min(ratio*A, clip(ratio)*A), tokens outside the trust region get none. "
+        description="Policy objective. 'cispo': `-sg(clip(ratio)) * A * logp`, every token keeps a gradient "
+        "(ART's default). 'ppo': `-min(ratio*A, clip(ratio)*A)`, tokens outside the trust region get none. "
         "'gspo': PPO clip on the per-row geometric-mean ratio, steadier for long rows.",
     )
     epsilon: float | None = Field(
@@ -124,7 +124,7 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(
         default=0.0, ge=0,
         description="KL-shaped advantages against the reference policy (the base model = adapter switched "
-        "off, no second model): A_t += kl_coef * (mean(k) - k_t), k_t = logp - logp_ref. >0 keeps the "
+        "off, no second model): `A_t += kl_coef * (mean(k) - k_t)`, `k_t = logp - logp_ref`. >0 keeps the "
         "policy near the base model; costs two extra no-grad forward passes per step.",
     )
     tis_cap: float | None = Field(

@@ -7,6 +7,7 @@ Every chart of the project (this reward curve, `trajflow eval`'s bar chart) is d
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import logging
 from collections.abc import Callable
@@ -73,18 +74,59 @@ def reward_curve_png(history: list[dict[str, Any]], title: str) -> bytes:
     return chart_png(draw, figsize=(6, 3.5))
 
 
-def format_step_line(step: int, metrics: dict[str, float]) -> str:
-    keys = ["train/reward", "val/reward", "train/loss", "train/grad_norm", "train/failed"]
-    parts = [f"{k}={metrics[k]:.4f}" for k in keys if k in metrics]
-    return f"step {step}: " + " ".join(parts)
+STEP_LINE_KEYS = ("train/reward", "val/reward", "train/loss", "train/grad_norm", "train/failed")
+TABLE_FIRST_KEYS = ("train/reward", "val/reward", "train/loss")
 
 
-def publish_run_artifacts(store, run: str) -> None:
+def format_step_line(step: int, metrics: dict[str, float], policy: str) -> str:
+    """The console's line for a committed step: its key metrics, the policy now served and the publish check.
+
+    Step 0 trains nothing (it is the untrained LoRA), so its line says that and what it was checked against.
+    """
+    parts = ["the untrained policy"] if step == 0 else []
+    parts += [f"{k}={metrics[k]:.4f}" for k in STEP_LINE_KEYS if k in metrics]
+    served = f"served as {policy}"
+    if "publish/probe_max_abs_diff" in metrics and "publish/probe_tolerance" in metrics:
+        served += (f" (probe max |logprob diff| {metrics['publish/probe_max_abs_diff']:.2g}"
+                   f" <= {metrics['publish/probe_tolerance']:g})")
+    parts.append(served)
+    if "time/step_s" in metrics:
+        parts.append(f"in {metrics['time/step_s']:.0f} s")
+    return f"step {step}: " + ", ".join(parts)
+
+
+def artifact_key(store, name: str) -> str:
+    """``<project>-<run>-<8 hex of the run's URL>-<name>``: one history per run, whatever another run is called.
+
+    Prefect artifact keys hold lowercase letters, digits and dashes only; project and run names also allow
+    capitals, ``.`` and ``_``, so two names can map to one spelling: the URL's digest keeps them apart, and runs
+    named alike in other projects or storage roots too.
+    """
+    def slug(text: str) -> str:
+        return "".join(c if c.isascii() and c.isalnum() else "-" for c in text.lower())
+
+    digest = hashlib.sha256(store.url.encode()).hexdigest()[:8]
+    return f"{slug(store.project)}-{slug(store.run)}-{digest}-{name}"
+
+
+def steps_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per committed step, every row with the same keys: step, rewards and loss, then the rest sorted.
+
+    A metric a step lacks (step 0 trains nothing; validation runs every `eval_every` steps) is None there, so a
+    table whose columns are taken from its first row still shows every metric.
+    """
+    seen = {k for row in history for k in row if k != "step"}
+    keys = [k for k in TABLE_FIRST_KEYS if k in seen] + sorted(seen - set(TABLE_FIRST_KEYS))
+    return [{"step": row["step"], **{k: round(float(row[k]), 5) if k in row else None for k in keys}}
+            for row in history]
+
+
+def publish_run_artifacts(store) -> None:
     """Store the reward curve at run level; add table + curve artifacts when inside a Prefect run."""
     history = step_history(store)
     if not history:
         return
-    png = reward_curve_png(history, f"{run}: reward per step")
+    png = reward_curve_png(history, f"{store.run}: reward per step")
     store.put_bytes(None, REWARD_CURVE, png)
     try:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -92,11 +134,10 @@ def publish_run_artifacts(store, run: str) -> None:
 
         if FlowRunContext.get() is None:
             return
-        keys = sorted({k for row in history for k in row if k != "step"})
-        table = [{"step": r["step"], **{k: round(float(r[k]), 5) for k in keys if k in r}} for r in history]
-        key = "".join(c if c.isalnum() else "-" for c in run.lower())
-        create_table_artifact(table, key=f"{key}-steps", description=f"{run}: metrics per committed step")
-        create_markdown_artifact(png_markdown("reward curve", png), key=f"{key}-reward-curve",
-                                 description=f"{run}: reward per step")
+        name = f"{store.project}/{store.run}"
+        create_table_artifact(steps_table(history), key=artifact_key(store, "steps"),
+                              description=f"{name}: metrics per committed step")
+        create_markdown_artifact(png_markdown("reward curve", png), key=artifact_key(store, "reward-curve"),
+                                 description=f"{name}: reward per step")
     except Exception as exc:  # noqa: BLE001 - artifacts are a view; never fail a step for them
         log.warning("could not publish Prefect artifacts: %s", exc)

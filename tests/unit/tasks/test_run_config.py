@@ -1,8 +1,12 @@
-"""RunConfig: YAML, --set overrides, validation errors that name the problem; the scenario cursor."""
+"""RunConfig: YAML, --set overrides, validation errors that name the problem; the form Prefect renders; the cursor."""
+
+import html
+import re
 
 import pytest
 
 from agents.scenario import Scenario
+from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, apply_overrides, check_run_identity, load_config
 from tasks.scenarios import pick_train_scenarios
 
@@ -38,7 +42,7 @@ def test_bad_overrides_are_named(override, match):
 
 
 def test_bad_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a list\n- not a mapping\n")
@@ -88,3 +92,86 @@ def test_run_identity_refuses_what_defines_the_run_and_ignores_new_fields():
     for field, value in (("group_size", 9), ("agent", "other")):
         with pytest.raises(ValueError, match=f"different {field}"):
             check_run_identity({**stored, field: value}, config)
+
+
+@pytest.mark.parametrize("overrides, lines", [
+    (["stpes=3"], ["stpes: unknown key; did you mean steps?"]),
+    (["trainer.learnig_rate=1e-4"], ["trainer.learnig_rate: unknown key; did you mean trainer.learning_rate?"]),
+    (["learning_rate=1e-4"], ["learning_rate: unknown key; did you mean trainer.learning_rate?"]),
+    (["judge.modle=x"], ["judge.modle: unknown key; did you mean judge.model?"]),
+    (["rewards.components=[{nme: a}]"], [
+        "rewards.components[0].name: required",
+        "rewards.components[0].nme: unknown key; did you mean rewards.components[0].name?"]),
+    (["zzz=1"], ["zzz: unknown key"]),
+    (["steps=-1", "group_size=x"], ["steps: input should be greater than or equal to 0, got -1",
+                                    ("group_size: input should be a valid integer, unable to parse string as an "
+                                     "integer, got 'x'")]),
+    (["trainer.target_modules=q"], [("trainer.target_modules: input should be 'all-linear' or input should be a "
+                                     "valid list, got 'q'")]),
+    (["trainer.lr_schedule=cosine"], ["trainer: lr_schedule='cosine' needs total_steps"]),
+])
+def test_config_mistakes_are_one_line_each_with_the_key_meant(overrides, lines):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    assert caught.value.problems == lines
+    assert "\n".join(lines) == str(caught.value)  # no pydantic block, no errors.pydantic.dev link
+
+
+def test_a_dotted_key_in_yaml_is_told_to_nest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer.lora_rank: 4\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        "'trainer.lora_rank': unknown key; in YAML nest it (trainer: {lora_rank: ...}), dotted keys are for --set"]
+
+
+def _descriptions(node, where=""):
+    """(json path, description) of every description in a JSON schema."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "description" and isinstance(value, str):
+                yield where, value
+            else:
+                yield from _descriptions(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _descriptions(value, f"{where}/{i}")
+
+
+def _rendered_text(markdown: str) -> str:
+    """What a CommonMark renderer shows of `markdown`: tags dropped, entities decoded."""
+    from markdown_it import MarkdownIt
+
+    return html.unescape(re.sub(r"<[^>]+>", "", MarkdownIt("commonmark").renderInline(markdown)))
+
+
+def _prefect_form_schema() -> dict:
+    """The schema the Prefect UI builds the `train` deployment's form from."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+
+    return parameter_schema(train.fn).model_dump_for_openapi()
+
+
+def test_every_description_renders_in_the_prefect_form_as_written():
+    descriptions = list(_descriptions(_prefect_form_schema()))
+    assert len(descriptions) > 80  # RunConfig and every nested model, TrainerConfig, JudgeConfig, RewardConfig
+    for where, text in descriptions:
+        outside_code = re.sub(r"`[^`]*`", "", text)
+        assert not re.search(r"<[^>\s]*>", outside_code), f"{where}: a bare <...> is an HTML tag: {text!r}"
+        assert "*" not in outside_code and "_" not in re.sub(r"\w_\w", "", outside_code), (
+            f"{where}: * or _ outside backticks can turn into emphasis: {text!r}")
+        assert _rendered_text(text) == text.replace("`", ""), f"{where}: renders differently: {text!r}"
+
+
+def test_the_form_starts_with_the_knobs_most_people_change():
+    properties = list(_prefect_form_schema()["definitions"]["RunConfig"]["properties"])
+    assert properties[:8] == ["agent", "base_model", "storage", "run", "steps", "group_size", "groups_per_step",
+                              "trainer"]
+    trainer = list(_prefect_form_schema()["definitions"]["TrainerConfig"]["properties"])
+    assert trainer[0] == "learning_rate"
+    # the internals come last, each a section of its own
+    assert properties[-4:] == ["rollouts", "inference", "training", "retention"]
+    assert set(properties) == set(RunConfig.model_fields)  # reordered, none renamed

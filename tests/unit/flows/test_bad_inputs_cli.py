@@ -1,0 +1,130 @@
+"""Catalogue: every bad input of the `trajflow` flow commands we know of, and the one-line error each must give.
+
+Each row is run through `trajflow` (flows/cli.py's `main`) in this process. A row passes when the command exits with
+its code (2: a mistake in the arguments or the config, 1: the environment: storage, Prefect API), prints nothing on
+stdout, and prints only ``trajflow <command>: error: ...`` lines on stderr, one of them holding the expected text:
+no traceback, no pydantic block. All of them are found before Prefect starts (the last test checks that in a
+process of its own). Add a row for every bad input found.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flows.cli import main
+from storage.store import RunStore
+from tasks.run_config import load_config
+from tests.paths import REPO
+
+TINY = "configs/tiny.yaml"
+CASES = [
+    # id, argv ({tmp} is the test's folder; {file} a plain file in it), exit code, text one error line holds
+    ("unknown key", ["train", "--set", "stpes=3"], 2, "stpes: unknown key; did you mean steps?"),
+    ("unknown nested key", ["train", "--set", "trainer.learnig_rate=1e-4"], 2,
+     "trainer.learnig_rate: unknown key; did you mean trainer.learning_rate?"),
+    ("nested key at the top", ["train", "--set", "learning_rate=1e-4"], 2,
+     "learning_rate: unknown key; did you mean trainer.learning_rate?"),
+    ("unknown judge key", ["train", "--set", "judge.modle=x"], 2,
+     "judge.modle: unknown key; did you mean judge.model?"),
+    ("out of range", ["train", "--set", "steps=-1"], 2, "steps: input should be greater than or equal to 0, got -1"),
+    ("wrong type", ["train", "--set", "group_size=many"], 2, "group_size: input should be a valid integer"),
+    ("section given a scalar", ["train", "--set", "trainer=3"], 2,
+     "trainer: input should be a valid dictionary or instance of TrainerConfig, got 3"),
+    ("model check", ["train", "--set", "trainer.lr_schedule=cosine"], 2,
+     "trainer: lr_schedule='cosine' needs total_steps"),
+    ("--set without =", ["train", "--set", "steps"], 2, "--set expects key=value, got 'steps'"),
+    ("--set into a scalar", ["train", TINY, "--set", "steps.x=1"], 2, "--set steps.x: 'steps' is not a section"),
+    ("--set value not YAML", ["train", "--set", "run=[oops"], 2, "--set run: the value '[oops' is not valid YAML"),
+    ("run name escapes", ["train", "--set", "run=../escape"], 2, "run: invalid run name '../escape'"),
+    ("project with a slash", ["train", "--set", "project=a/b"], 2, "project: invalid project name 'a/b'"),
+    ("missing config file", ["train", "{tmp}/missing.yaml"], 2, "config file not found: {tmp}/missing.yaml"),
+    ("config is a folder", ["train", "{tmp}"], 2, "cannot read config file {tmp}: Is a directory"),
+    ("config not a mapping", ["train", "{tmp}/list.yaml"], 2,
+     "{tmp}/list.yaml: expected a mapping of RunConfig fields"),
+    ("config not YAML", ["train", "{tmp}/bad.yaml"], 2, "{tmp}/bad.yaml: not valid YAML"),
+    ("dotted key in YAML", ["train", "{tmp}/dotted.yaml"], 2,
+     "'trainer.lora_rank': unknown key; in YAML nest it (trainer: {lora_rank: ...}), dotted keys are for --set"),
+    ("storage is a file", ["train", TINY, "--set", "storage={file}"], 1, "{file} is a file, not a folder"),
+    ("storage under a file", ["train", TINY, "--set", "storage={file}/runs"], 1, "{file} is a file, not a folder"),
+    ("storage cannot be created", ["train", TINY, "--set", "storage=/proc/trajflow-runs/x"], 1,
+     "cannot create /proc/trajflow-runs/x in /proc: No such file or directory"),
+    ("storage scheme unknown", ["train", TINY, "--set", "storage=nosuch://bucket/runs"], 1,
+     "storage 'nosuch://bucket/runs'"),
+    ("run made with other settings", ["train", TINY, "--set", "storage={tmp}/runs"], 2,
+     "run ci/tiny already exists in {tmp}/runs with different group_size"),
+    ("eval policy malformed", ["eval", TINY, "--set", "storage={tmp}/runs2", "--policy", "nonsense"], 2,
+     "--policy 'nonsense': expected base, <run>@<step>, @<step> or url=...,model=..."),
+    ("eval policy of another run", ["eval", TINY, "--set", "storage={tmp}/runs2", "--policy", "other@3"], 2,
+     "only adapters of run 'tiny' can be loaded by this config"),
+    ("eval unknown key", ["eval", "--set", "eval_scenaros=2"], 2,
+     "eval_scenaros: unknown key; did you mean eval_scenarios?"),
+    ("config show unknown key", ["config", "show", "--set", "inference.devise=cpu"], 2,
+     "inference.devise: unknown key; did you mean inference.device?"),
+]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """The files the rows name: a plain file, a list, broken YAML, a dotted key, a run stored with other settings."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    (tmp_path / "list.yaml").write_text("- a list\n- not a mapping\n")
+    (tmp_path / "bad.yaml").write_text("steps: [1, 2\n")
+    (tmp_path / "dotted.yaml").write_text("trainer.lora_rank: 4\n")
+    stored = load_config(TINY, [f"storage={tmp_path / 'runs'}", "group_size=9"])
+    RunStore(stored.storage, stored.project, stored.run).write_run_config(stored.model_dump(mode="json"))
+    return tmp_path
+
+
+def _fill(text: str, tmp) -> str:
+    return text.replace("{tmp}", str(tmp)).replace("{file}", str(tmp / "a-file"))
+
+
+def _check_one_line_errors(code: int, out: str, err: str, command: str, expected_code: int, text: str) -> None:
+    assert code == expected_code, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert lines and all(line.startswith(f"trajflow {command}: error: ") for line in lines), err
+    assert any(text in line for line in lines), err
+    assert "Traceback" not in err and "errors.pydantic.dev" not in err
+
+
+@pytest.mark.parametrize("argv, code, text", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_gives_a_one_line_error(argv, code, text, inputs, capsys):
+    command = "config show" if argv[0] == "config" else argv[0]
+    status = main([_fill(a, inputs) for a in argv])
+    out, err = capsys.readouterr()
+    _check_one_line_errors(status, out, err, command, code, _fill(text, inputs))
+
+
+def test_a_missing_bucket_is_named(s3_endpoint, capsys):
+    status = main(["train", TINY, "--set", "storage=s3://no-such-bucket-here/runs"])
+    out, err = capsys.readouterr()
+    _check_one_line_errors(status, out, err, "train", 1, "bucket 'no-such-bucket-here' does not exist")
+
+
+def test_a_prefect_api_url_without_a_server(inputs, capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        status = main(["train", TINY, "--set", f"storage={inputs / 'fresh'}"])
+    out, err = capsys.readouterr()
+    _check_one_line_errors(status, out, err, "train", 1,
+                           "PREFECT_API_URL is http://127.0.0.1:9/api but no Prefect server answers there")
+
+
+def test_the_mistake_is_found_before_prefect_starts_and_said_once(tmp_path):
+    # --verbose shows Prefect's own lines: had the flow started, "Starting temporary server" and Prefect's report of
+    # the failure would be there, and Python's traceback after them
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    out = subprocess.run([sys.executable, "-m", "flows.train", TINY, "--set", f"storage={blocker}/runs", "--verbose"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert out.stderr.splitlines() == [
+        f"trajflow train: error: storage '{blocker}/runs' cannot hold runs: {blocker} is a file, not a folder"]
