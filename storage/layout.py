@@ -1,7 +1,8 @@
 """The run layout, in one place: every file and folder name inside a run and a step is spelled here.
 
 ```
-<root>/<project>/<run>/run.json                          the run's config
+<root>/<project>/<run>/run.json                          the run's config, written once its step 0 exists
+<root>/<project>/<run>/lease.json                        which process writes the run, until when (storage/lease.py)
 <root>/<project>/<run>/steps/<NNNNN>/manifest.json       written last; without it the step does not exist
 <root>/<project>/<run>/steps/<NNNNN>/scenarios.json      the step's sampled scenarios
                                      groups/<NNNN>.parquet   one rollout group each, stored as it finishes
@@ -27,6 +28,7 @@ from __future__ import annotations
 from storage.names import InvalidNameError, safe_relpath
 
 RUN_CONFIG = "run.json"
+RUN_LEASE = "lease.json"
 STEPS_DIR = "steps"
 MANIFEST = "manifest.json"
 MAX_STEP = 99_999
@@ -105,9 +107,10 @@ def file_rel(step: int | None, relpath: str) -> str:
     """Path relative to the run of a user file; refuses the names the store itself manages."""
     safe_relpath(relpath)
     if step is None:
-        if relpath == RUN_CONFIG or relpath == STEPS_DIR or relpath.startswith(STEPS_DIR + "/"):
+        if relpath in (RUN_CONFIG, RUN_LEASE, STEPS_DIR) or relpath.startswith(STEPS_DIR + "/"):
             raise InvalidNameError(
-                f"invalid run-level path {relpath!r}: {RUN_CONFIG!r} and {STEPS_DIR + '/'!r} are managed by the store"
+                f"invalid run-level path {relpath!r}: {RUN_CONFIG!r}, {RUN_LEASE!r} and {STEPS_DIR + '/'!r} are "
+                "managed by the store"
             )
         return relpath
     if relpath == MANIFEST:
