@@ -33,7 +33,8 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Self
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -70,7 +71,7 @@ def lease_ttl() -> float:
 
 
 def _utc(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _process_gone(pid: int) -> bool:
@@ -247,7 +248,7 @@ class RunLease:
             except StorageError as exc:
                 log.warning("run %s: lease renewal failed (retried in %.0f s): %s", self.label, interval, exc)
 
-    def __enter__(self) -> RunLease:
+    def __enter__(self) -> Self:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -4,6 +4,9 @@ Training requests arrive as JSON (models, trajectory groups with their token ids
 inference goes straight to the backend's embedded server in the dialect (its URL is returned by
 ``register``). Every request must carry ``Authorization: Bearer <key>`` when a key is set.
 Binds 127.0.0.1 unless told otherwise.
+
+Answers: 400 for bad settings or names, 404 for a model not registered, 409 while another request writes the run
+or another process holds its lease, 500 with the cause for the rest.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pydantic import BaseModel, Field
 
 from agents.model import TrainableModel, TrainConfig
 from agents.trajectory import TrajectoryGroup
+from backends.art.errors import NotRegisteredError, RunBusyError
 from backends.art.local_backend import LocalBackend
+from storage.lease import RunLeaseHeldError, RunLeaseLostError
 
 
 class ModelRef(BaseModel):
@@ -63,9 +68,19 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
         except ValueError as exc:
             raise HTTPException(status_code=422, detail=f"invalid trajectory group: {exc}") from exc
 
-    @app.exception_handler(ValueError)
-    async def value_error(_request: Request, exc: ValueError):
-        return JSONResponse(status_code=400, content={"detail": str(exc)})
+    def answer(status: int):
+        async def handler(_request: Request, exc: Exception):
+            return JSONResponse(status_code=status, content={"detail": str(exc)})
+        return handler
+
+    app.add_exception_handler(ValueError, answer(400))
+    app.add_exception_handler(NotRegisteredError, answer(404))
+    for conflict in (RunBusyError, RunLeaseHeldError, RunLeaseLostError):
+        app.add_exception_handler(conflict, answer(409))
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, exc: Exception):  # uvicorn logs the traceback; the client gets the cause
+        return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}: {exc}"})
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -75,7 +90,8 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
     async def register(model: TrainableModel) -> dict[str, Any]:
         await backend.register(model)
         models[f"{model.project}/{model.name}"] = model
-        return {"inference_base_url": model.inference_base_url, "step": await backend.get_step(model)}
+        return {"inference_base_url": model.inference_base_url, "step": await backend.get_step(model),
+                "run_url": backend.run_url(model)}
 
     @app.post("/backend/step", dependencies=[Depends(check_key)])
     async def step(ref: ModelRef) -> dict[str, int]:

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from storage.names import InvalidNameError
 from storage.layout import RUN_LEASE
 from storage.lease import TTL_ENV, RunLease, RunLeaseHeldError, RunLeaseLostError, lease_ttl
+from storage.names import InvalidNameError
 from storage.store import RunStore
 
 
