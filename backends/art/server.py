@@ -2,11 +2,11 @@
 
 Training requests arrive as JSON (models, trajectory groups with their token ids and logprobs);
 inference goes straight to the backend's embedded server in the dialect (its URL is returned by
-``register``). Every request must carry ``Authorization: Bearer <key>`` when a key is set.
-Binds 127.0.0.1 unless told otherwise.
+``register``). With a key set, every route but ``/health`` (the API, ``/docs``, ``/openapi.json``) needs
+``Authorization: Bearer <key>``; the command refuses to listen beyond loopback without one (backends/art/cli.py).
 
-Answers: 400 for bad settings or names, 404 for a model not registered, 409 while another request writes the run
-or another process holds its lease, 500 with the cause for the rest.
+Answers: 400 for bad settings or names, 401 without the key, 404 for a model not registered, 409 while another
+request writes the run or another process holds its lease, 500 with the cause for the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -23,6 +23,8 @@ from agents.trajectory import TrajectoryGroup
 from backends.art.errors import NotRegisteredError, RunBusyError
 from backends.art.local_backend import LocalBackend
 from storage.lease import RunLeaseHeldError, RunLeaseLostError
+
+OPEN_PATHS = frozenset({"/health"})
 
 
 class ModelRef(BaseModel):
@@ -44,16 +46,24 @@ class RetentionRequest(ModelRef):
     best_checkpoint_metric: str = Field(default="val/reward", description="metric whose best step is kept")
 
 
+def bearer_matches(header: str, api_key: str) -> bool:
+    """True when `header` is ``Bearer <api_key>`` (the scheme case-insensitive, as RFC 7235 has it), compared in
+    constant time; a bare key or another scheme is refused."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="trajflow backend")
     models: dict[str, TrainableModel] = {}
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong API key")
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if (api_key is not None and request.url.path not in OPEN_PATHS
+                and not bearer_matches(request.headers.get("authorization", ""), api_key)):
+            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                                content={"detail": "missing or wrong API key: send Authorization: Bearer <key>"})
+        return await call_next(request)
 
     def model_of(ref: ModelRef) -> TrainableModel:
         model = models.get(f"{ref.project}/{ref.name}")
@@ -86,27 +96,27 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/backend/register", dependencies=[Depends(check_key)])
+    @app.post("/backend/register")
     async def register(model: TrainableModel) -> dict[str, Any]:
         await backend.register(model)
         models[f"{model.project}/{model.name}"] = model
         return {"inference_base_url": model.inference_base_url, "step": await backend.get_step(model),
                 "run_url": backend.run_url(model)}
 
-    @app.post("/backend/step", dependencies=[Depends(check_key)])
+    @app.post("/backend/step")
     async def step(ref: ModelRef) -> dict[str, int]:
         return {"step": await backend.get_step(model_of(ref))}
 
-    @app.post("/backend/train", dependencies=[Depends(check_key)])
+    @app.post("/backend/train")
     async def train(req: TrainRequest) -> dict[str, Any]:
         result = await backend.train(model_of(req), groups_of(req.groups), req.config)
         return result.model_dump()
 
-    @app.post("/backend/log", dependencies=[Depends(check_key)])
+    @app.post("/backend/log")
     async def log(req: LogRequest) -> dict[str, float]:
         return await backend.log(model_of(req), groups_of(req.groups), req.split)
 
-    @app.post("/backend/delete_checkpoints", dependencies=[Depends(check_key)])
+    @app.post("/backend/delete_checkpoints")
     async def delete_checkpoints(req: RetentionRequest) -> dict[str, list[int]]:
         return {"pruned": await backend.delete_checkpoints(model_of(req), req.best_checkpoint_metric)}
 
