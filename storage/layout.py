@@ -25,7 +25,7 @@ Step numbers have five digits (00000-99999).
 
 from __future__ import annotations
 
-from storage.names import InvalidNameError, safe_relpath
+from storage.names import InvalidNameError, safe_relpath, validate_name
 
 RUN_CONFIG = "run.json"
 RUN_LEASE = "lease.json"
@@ -68,8 +68,9 @@ def scored_file(prefix: str) -> str:
 
 
 def logged_split(split: str) -> str:
-    """``logs/val.parquet``: trajectories an ART-style script logged for ``split``."""
-    return f"{LOGS_DIR}/{split}.parquet"
+    """``logs/val.parquet``: trajectories an ART-style script logged for ``split`` (named like a run: no ``""``,
+    ``"."`` or ``/``)."""
+    return f"{LOGS_DIR}/{validate_name('split', split)}.parquet"
 
 
 def judge_cache_file(key: str) -> str:

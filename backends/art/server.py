@@ -5,8 +5,9 @@ inference goes straight to the backend's embedded server in the dialect (its URL
 ``register``). With a key set, every route but ``/health`` (the API, ``/docs``, ``/openapi.json``) needs
 ``Authorization: Bearer <key>``; the command refuses to listen beyond loopback without one (backends/art/cli.py).
 
-Answers: 400 for bad settings or names, 401 without the key, 404 for a model not registered, 409 while another
-request writes the run or another process holds its lease, 500 with the cause for the rest.
+Answers: 400 for bad settings, names or groups (422 for a body of the wrong shape), 401 without the key, 404 for a
+model not registered, 409 while another request writes the run or another process holds its lease, 500 with the
+cause for the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.model import TrainableModel, TrainConfig
 from agents.trajectory import TrajectoryGroup
@@ -28,6 +29,8 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class ModelRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     project: str = Field(description="project of the run")
     name: str = Field(description="model (run) name")
 
@@ -39,7 +42,7 @@ class TrainRequest(ModelRef):
 
 class LogRequest(ModelRef):
     groups: list[dict[str, Any]] = Field(description="trajectory groups as JSON")
-    split: str = Field(default="val", description="metric prefix, e.g. val")
+    split: str = Field(default="val", description="metric prefix and file name, e.g. val")
 
 
 class RetentionRequest(ModelRef):
@@ -51,6 +54,14 @@ def bearer_matches(header: str, api_key: str) -> bool:
     constant time; a bare key or another scheme is refused."""
     scheme, _, token = header.strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def error_message(exc: Exception) -> str:
+    """The error as one line; pydantic's errors as ``invalid TrainerConfig: lora_rank: <why>; ...``."""
+    if isinstance(exc, ValidationError):
+        return f"invalid {exc.title}: " + "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
 
 
 def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> FastAPI:
@@ -80,7 +91,7 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
 
     def answer(status: int):
         async def handler(_request: Request, exc: Exception):
-            return JSONResponse(status_code=status, content={"detail": str(exc)})
+            return JSONResponse(status_code=status, content={"detail": error_message(exc)})
         return handler
 
     app.add_exception_handler(ValueError, answer(400))
@@ -99,7 +110,8 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
     @app.post("/backend/register")
     async def register(model: TrainableModel) -> dict[str, Any]:
         await backend.register(model)
-        models[f"{model.project}/{model.name}"] = model
+        key = f"{model.project}/{model.name}"
+        models[key] = model
         return {"inference_base_url": model.inference_base_url, "step": await backend.get_step(model),
                 "run_url": backend.run_url(model)}
 
@@ -113,7 +125,7 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
         return result.model_dump()
 
     @app.post("/backend/log")
-    async def log(req: LogRequest) -> dict[str, float]:
+    async def log_groups(req: LogRequest) -> dict[str, float]:
         return await backend.log(model_of(req), groups_of(req.groups), req.split)
 
     @app.post("/backend/delete_checkpoints")
