@@ -227,7 +227,7 @@ class RunLease:
                 current = self.holder()
                 if current is not None and current.owner == self.owner:
                     self._loc.delete([RUN_LEASE])
-        except StorageError as exc:
+        except Exception as exc:  # noqa: BLE001 - also at interpreter exit, where storage clients may be gone
             log.warning("run %s: could not release its lease (it expires by itself): %s", self.label, exc)
 
     def _start_renewing(self) -> None:
