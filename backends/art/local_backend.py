@@ -176,8 +176,8 @@ class LocalBackend:
         from backends.training.trainer import GRPOTrainer
 
         server = await asyncio.to_thread(self._server, model.base_model)
-        max_rank = getattr(getattr(getattr(server, "engine", None), "config", None), "max_lora_rank", None)
-        if max_rank is not None and config.lora_rank > max_rank:
+        max_rank = server.engine.config.max_lora_rank
+        if config.lora_rank > max_rank:
             raise ValueError(f"trainer.lora_rank={config.lora_rank} is larger than the inference server's "
                              f"max_lora_rank {max_rank}: the adapter could be trained but not served")
         store = state.store
