@@ -8,7 +8,7 @@ and again by Python. So the commands check, in this order and once each:
    so the cause is the operating system's own ("permission denied", "is a file, not a folder", "read-only file
    system"); a URL root is opened through the store and, on S3, its bucket is checked. Exit code 1;
 3. a stored run of the same name was made with the same settings that define a run (``check_run_identity``),
-   exit code 2;
+   exit code 2, and no other live process holds the run's lease (storage/lease.py), exit code 1;
 4. a PREFECT_API_URL that is set answers Prefect's health check (else Prefect would retry, then fail mid-start).
    Exit code 1.
 
@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from storage.errors import StorageError
 from storage.fs import Location, normalize_root
+from storage.lease import RunLease
 from storage.store import RunStore
 from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, check_run_identity, load_config
@@ -103,14 +104,19 @@ def check_storage(root: str) -> None:
 
 
 def check_run(config: RunConfig) -> None:
-    """Raise a CommandError (exit code 2) when the stored run was made with other settings that define it."""
+    """Raise a CommandError when the stored run was made with other settings that define it (exit code 2) or
+    another live process holds it (exit code 1)."""
     try:
-        stored = RunStore(config.storage, config.project, config.run).read_run_config()
-        check_run_identity(stored, config)
+        store = RunStore(config.storage, config.project, config.run)
+        check_run_identity(store.read_run_config(), config)
+        lease = RunLease(store, "trajflow train")
+        holder = lease.blocker()
     except StorageError as exc:
         raise CommandError(str(exc)) from None
     except ValueError as exc:
         raise CommandError(str(exc), USAGE_EXIT) from None
+    if holder is not None:
+        raise CommandError(lease.held_message(holder))
 
 
 def check_prefect_api() -> None:

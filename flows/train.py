@@ -4,6 +4,11 @@ Each step k (1-based; step 0 is the seeded initial adapter) is a chain of cached
 sample scenarios -> rollouts with policy <run>@<k-1> -> score -> GRPO update -> publish <run>@<k>
 (-> evaluate every `eval_every` steps) -> commit (manifest written last) -> retention -> artifacts.
 
+One writer per run: the flow holds the run's lease (storage/lease.py) from start to end, so a second
+`trajflow train` on the same run stops at once, naming the holder; a run whose process was killed or
+preempted is taken over once its lease expires (or at once on the same host). ``run.json`` is written
+once step 0 exists, so a first start that fails (a typo in base_model) leaves the run name free.
+
 Resume: the flow starts from the last committed step. Within an uncommitted step, every stage whose
 result was persisted (its Prefect cache record and its files live in the run's storage) is reused,
 and the rollout task re-runs only the groups that were not yet stored. The scenario cursor, LoRA init
@@ -30,6 +35,7 @@ from flows.console import announce_flow_run
 from flows.deployment_defaults import with_deployment_defaults
 from flows.preflight import check_run
 from flows.summary import json_result, train_summary
+from storage.lease import RunLease
 from tasks.evaluation import evaluate_policy
 from tasks.publish import publish_policy
 from tasks.rollouts import run_rollouts
@@ -46,14 +52,18 @@ log = logging.getLogger("trajflow")
 
 
 class StageTimer:
-    """Wall time per stage of a step, reported as time/<stage>_s and time/step_s."""
+    """Wall time per stage of a step, reported as time/<stage>_s and time/step_s; `before_stage()` runs as each
+    stage starts (the lease check: a process that lost the run stops at the next stage)."""
 
-    def __init__(self):
+    def __init__(self, before_stage=None):
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.before_stage = before_stage
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
+        if self.before_stage is not None:
+            self.before_stage()
         t0 = time.perf_counter()
         try:
             yield
@@ -83,34 +93,37 @@ def train(config: RunConfig) -> dict[str, Any]:
     flow_run_url = announce_flow_run()
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     store = rt.store
-    check_run_identity(store.read_run_config(), config)
-    store.write_run_config(config.model_dump(mode="json"))
     storage = result_storage_for(config)
+    lease = RunLease(store, "trajflow train").acquire()
 
     def with_run_storage(task):
         """`task` with its results persisted in the run's storage: what lets a rerun reuse them."""
         return task.with_options(result_storage=storage)
 
     try:
+        check_run_identity(store.read_run_config(), config)
         committed = store.committed_steps()
         last = committed[-1] if committed else None
         resumed_from = last
         if last is None:
             training = initialize_policy_fn(config)
+            store.write_run_config(config.model_dump(mode="json"))  # step 0 exists: the run is this config's now
             publish = with_run_storage(publish_policy)(config, 0, training)
             metrics = dict(publish["metrics"])
             if _evaluate_due(config, 0):
                 metrics.update(with_run_storage(evaluate_policy)(config, 0))
+            lease.check(fresh=True)
             store.commit(0, metrics, extra={"policy": config.policy(0)})
             log.info("%s", format_step_line(0, metrics, config.policy(0)))
             last = 0
         else:
             metrics = store.read_manifest(last).metrics
+            store.write_run_config(config.model_dump(mode="json"))
             training = training_result(store, last)
             with_run_storage(publish_policy)(config, last, training)
             log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
         for step in range(last + 1, config.steps + 1):
-            timer = StageTimer()
+            timer = StageTimer(before_stage=lease.check)
             with timer("sample"):
                 scenarios = with_run_storage(sample_scenarios)(config, step)
             with timer("rollouts"):
@@ -128,6 +141,7 @@ def train(config: RunConfig) -> dict[str, Any]:
                     metrics.update(with_run_storage(evaluate_policy)(config, step))
             metrics.update(timer.metrics())
             crash_point("before-commit", step)
+            lease.check(fresh=True)
             store.commit(step, metrics, extra={"policy": config.policy(step)})
             pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
                                            config.retention.mode)
@@ -138,6 +152,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
                 "flow_run_url": flow_run_url}
     finally:
+        lease.release()
         close_runtime(config)
 
 

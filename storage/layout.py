@@ -1,7 +1,8 @@
 """The run layout, in one place: every file and folder name inside a run and a step is spelled here.
 
 ```
-<root>/<project>/<run>/run.json                          the run's config
+<root>/<project>/<run>/run.json                          the run's config, written once its step 0 exists
+<root>/<project>/<run>/lease.json                        which process writes the run, until when (storage/lease.py)
 <root>/<project>/<run>/steps/<NNNNN>/manifest.json       written last; without it the step does not exist
                                      manifest.json.corrupt-<UTC stamp>   a manifest a reader found corrupt,
                                                          moved aside (the step is not committed; it is redone)
@@ -26,9 +27,10 @@ Step numbers have five digits (00000-99999).
 
 from __future__ import annotations
 
-from storage.names import InvalidNameError, safe_relpath
+from storage.names import InvalidNameError, safe_relpath, validate_name
 
 RUN_CONFIG = "run.json"
+RUN_LEASE = "lease.json"
 STEPS_DIR = "steps"
 MANIFEST = "manifest.json"
 CORRUPT_MANIFEST_PREFIX = f"{MANIFEST}.corrupt-"
@@ -69,8 +71,9 @@ def scored_file(prefix: str) -> str:
 
 
 def logged_split(split: str) -> str:
-    """``logs/val.parquet``: trajectories an ART-style script logged for ``split``."""
-    return f"{LOGS_DIR}/{split}.parquet"
+    """``logs/val.parquet``: trajectories an ART-style script logged for ``split`` (named like a run: no ``""``,
+    ``"."`` or ``/``)."""
+    return f"{LOGS_DIR}/{validate_name('split', split)}.parquet"
 
 
 def judge_cache_file(key: str) -> str:
@@ -113,9 +116,10 @@ def file_rel(step: int | None, relpath: str) -> str:
     """Path relative to the run of a user file; refuses the names the store itself manages."""
     safe_relpath(relpath)
     if step is None:
-        if relpath == RUN_CONFIG or relpath == STEPS_DIR or relpath.startswith(STEPS_DIR + "/"):
+        if relpath in (RUN_CONFIG, RUN_LEASE, STEPS_DIR) or relpath.startswith(STEPS_DIR + "/"):
             raise InvalidNameError(
-                f"invalid run-level path {relpath!r}: {RUN_CONFIG!r} and {STEPS_DIR + '/'!r} are managed by the store"
+                f"invalid run-level path {relpath!r}: {RUN_CONFIG!r}, {RUN_LEASE!r} and {STEPS_DIR + '/'!r} are "
+                "managed by the store"
             )
         return relpath
     if is_store_managed(relpath):

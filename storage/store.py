@@ -32,6 +32,7 @@ from storage.fs import Location, normalize_root, sha256_bytes, sha256_local
 from storage.layout import (
     ADAPTER_DIR,
     RUN_CONFIG,
+    RUN_LEASE,
     STEPS_DIR,
     TRAINER_STATE_DIR,
     check_step,
@@ -258,8 +259,8 @@ class RunStore:
     def list_files(self, step: int | None, prefix: str = "") -> list[str]:
         """Sorted relative paths of the files of a step (or of the run-level area) starting with ``prefix``.
 
-        The store's own files (``manifest.json`` and its quarantined copies; at run level ``run.json`` and
-        ``steps/``) are not listed.
+        The store's own files (``manifest.json`` and its quarantined copies; at run level ``run.json``,
+        ``lease.json`` and ``steps/``) are not listed.
         """
         safe_prefix(prefix)
         base = step_dir(step) if step is not None else ""
@@ -269,7 +270,7 @@ class RunStore:
         found = self._loc.find(f"{base}/{sub}".strip("/") if sub else base)
         rels = [f"{sub}/{r}" if sub else r for r in found]
         if step is None:
-            rels = [r for r in rels if r != RUN_CONFIG and not r.startswith(STEPS_DIR + "/")]
+            rels = [r for r in rels if r not in (RUN_CONFIG, RUN_LEASE) and not r.startswith(STEPS_DIR + "/")]
         else:
             rels = [r for r in rels if not is_store_managed(r)]
         return sorted(r for r in rels if r.startswith(prefix))

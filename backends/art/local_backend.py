@@ -7,34 +7,92 @@ that checkpoint and the server hot-loads its adapter as ``<name>@<step>`` (a bar
 means that latest step). ``model.train(groups)`` runs one GRPO update and publishes it through
 ``backends.policy`` (store groups, train, checkpoint, publish with probe: the flow's path) and commits
 the step.
+
+One writer per run: a run has one trainer in this process, and one request writes it at a time (register, train,
+log, prune; a second one meanwhile gets RunBusyError, HTTP 409 behind `trajflow backend serve`); registering a
+registered model again returns the run as it is. Across processes the run's lease (storage/lease.py), held from
+register to close, keeps a flow or another backend off the run. ``run.json`` is written once step 0 exists, so a
+registration that fails (a typo in base_model) leaves the run name free, and a refused one changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
+import weakref
 from typing import Any
 
 from agents.group_metrics import merge_step_metrics, summarize
 from agents.model import Model, TrainableModel, TrainConfig, TrainResult
 from agents.trajectory import TrajectoryGroup
+from backends.art.errors import NotRegisteredError, RunBusyError
+from backends.art.run_line import print_registered
 from backends.modeling.devices import resolve_device
 from backends.policy.checkpoints import initialize, load_checkpoint, train_step
 from backends.policy.publish import publish_step
 from storage.layout import logged_split
+from storage.lease import RunLease
 from storage.store import RunStore
 
 log = logging.getLogger("trajflow")
 
 
 class _RunState:
-    """One registered trainable model: its store, trainer and the step the trainer holds."""
+    """One registered trainable model: its store, lease, trainer, and what the request writing it now does."""
 
-    def __init__(self, store: RunStore, trainer):
-        self.store = store
-        self.trainer = trainer
-        self.lock = asyncio.Lock()
+    def __init__(self, label: str, store: RunStore, base_model: str):
+        self.label, self.store, self.base_model = label, store, base_model
+        self.lease: RunLease | None = None
+        self.trainer = None
+        self.settings = None  # the TrainerConfig the model registered with
+        self.ready = False  # registered: step 0 exists and the latest step is served
+        self.busy: str | None = None
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def exclusive(self, doing: str):
+        """Mark the run as written by this request; RunBusyError while another request writes it."""
+        with self._guard:
+            if self.busy is not None:
+                raise RunBusyError(f"run {self.label} is busy {self.busy}; one request writes a run at a time: "
+                                   "retry when that one has returned")
+            self.busy = doing
+        try:
+            yield
+        finally:
+            with self._guard:
+                self.busy = None
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+def _check_identity(stored: dict | None, model: TrainableModel, config, storage: str) -> None:
+    """Refuse a stored run under another base model or adapter identity (TrainerConfig.IDENTITY_FIELDS)."""
+    if not stored:
+        return
+    where = f"run {model.project}/{model.name} in {storage}"
+    if stored.get("base_model") not in (None, model.base_model):
+        raise ValueError(f"{where} was trained from {stored.get('base_model')!r}, not {model.base_model!r}; "
+                         "use another model name")
+    trainer = stored.get("trainer") or {}
+    current = config.model_dump(mode="json")
+    changed = [f"{k}: {trainer[k]!r} -> {current[k]!r}" for k in config.IDENTITY_FIELDS
+               if k in trainer and trainer[k] != current[k]]
+    if changed:
+        raise ValueError(f"{where} has another adapter ({'; '.join(changed)}); use another model name or the "
+                         "original trainer settings")
+
+
+def _release_all(runs: dict[str, _RunState]) -> None:
+    for state in list(runs.values()):
+        state.release()
+    runs.clear()
 
 
 class LocalBackend:
@@ -47,22 +105,32 @@ class LocalBackend:
         self.host, self.port, self.api_key, self.max_loras = host, port, api_key, max_loras
         self.probe_tolerance = probe_tolerance
         self._servers: dict[str, Any] = {}
+        self._servers_lock = threading.Lock()
         self._runs: dict[str, _RunState] = {}
+        # a script that never calls close() still lets its runs go when it exits
+        weakref.finalize(self, _release_all, self._runs)
 
     # ---- plumbing --------------------------------------------------------------------------
     def _server(self, base_model: str):
-        if base_model not in self._servers:
-            from backends.serving.app import start_server
+        with self._servers_lock:
+            if base_model not in self._servers:
+                from backends.serving.app import start_server
 
-            self._servers[base_model] = start_server(model=base_model, host=self.host, port=self.port,
-                                                     api_key=self.api_key, device=resolve_device(self.device),
-                                                     max_loras=self.max_loras)
-        return self._servers[base_model]
+                self._servers[base_model] = start_server(model=base_model, host=self.host, port=self.port,
+                                                         api_key=self.api_key, device=resolve_device(self.device),
+                                                         max_loras=self.max_loras)
+            return self._servers[base_model]
 
     def _state(self, model: Model) -> _RunState:
         state = self._runs.get(f"{model.project}/{model.name}")
         if state is None:
-            raise RuntimeError(f"model {model.name!r} is not registered with this backend")
+            raise NotRegisteredError(f"model {model.project}/{model.name} is not registered with this backend")
+        return state
+
+    def _ready_state(self, model: Model) -> _RunState:
+        state = self._state(model)
+        if not state.ready:
+            raise RunBusyError(f"run {state.label} is busy {state.busy or 'registering'}; retry when it has returned")
         return state
 
     async def _publish(self, model: TrainableModel, state: _RunState, step: int) -> dict[str, float]:
@@ -80,69 +148,126 @@ class LocalBackend:
 
     # ---- Backend protocol ------------------------------------------------------------------
     async def register(self, model: Model) -> None:
+        """Open the run (new: step 0; stored: its latest step) and serve it; the same model again: the run as it is."""
         if not isinstance(model, TrainableModel):
             return  # a prompted Model keeps its own URL
         from backends.training.config import TrainerConfig
-        from backends.training.trainer import GRPOTrainer
 
+        config = TrainerConfig(**model.trainer)
+        key = f"{model.project}/{model.name}"
+        state = self._runs.get(key)
+        if state is not None:
+            return await self._register_again(model, state, config)
         store = RunStore(self.storage, model.project, model.name)
         stored = store.read_run_config()
-        if stored and stored.get("base_model") not in (None, model.base_model):
-            raise ValueError(f"run {model.project}/{model.name} in {self.storage} was trained from "
-                             f"{stored.get('base_model')!r}, not {model.base_model!r}; use another model name")
-        config = TrainerConfig(**model.trainer)
+        _check_identity(stored, model, config, self.storage)
+        state = self._runs[key] = _RunState(key, store, model.base_model)
+        state.settings = config
+        try:
+            with state.exclusive("registering"):
+                await self._open(model, state, config, stored)
+        except BaseException:
+            self._runs.pop(key, None)
+            state.release()
+            raise
+        state.ready = True
+
+    async def _open(self, model: TrainableModel, state: _RunState, config, stored: dict | None) -> None:
+        from backends.training.trainer import GRPOTrainer
+
+        server = await asyncio.to_thread(self._server, model.base_model)
+        max_rank = server.engine.config.max_lora_rank
+        if config.lora_rank > max_rank:
+            raise ValueError(f"trainer.lora_rank={config.lora_rank} is larger than the inference server's "
+                             f"max_lora_rank {max_rank}: the adapter could be trained but not served")
+        store = state.store
+        state.lease = await asyncio.to_thread(RunLease(store, "LocalBackend").acquire)
         record = {**(stored or {}), "project": model.project, "run": model.name, "base_model": model.base_model,
                   "storage": self.storage, "trainer": config.model_dump(mode="json")}
-        store.write_run_config(record)
-        server = self._server(model.base_model)
-        trainer = await asyncio.to_thread(GRPOTrainer, model.base_model, config, resolve_device(self.device))
-        state = self._runs[f"{model.project}/{model.name}"] = _RunState(store, trainer)
+        trainer = state.trainer = await asyncio.to_thread(GRPOTrainer, model.base_model, config,
+                                                          resolve_device(self.device))
         latest = store.latest_step()
         if latest is None:
             await asyncio.to_thread(initialize, store, lambda: trainer)
-            latest = 0
+            store.write_run_config(record)  # step 0 exists: the run is this model's now
             metrics = await self._publish(model, state, 0)
+            state.lease.check(fresh=True)
             store.commit(0, metrics, extra={"policy": model.get_inference_name(0)})
+            latest = 0
         else:
             await asyncio.to_thread(load_checkpoint, store, latest, trainer)
             await self._publish(model, state, latest)
+            if record != stored:
+                store.write_run_config(record)
+        self._serve(model, server)
+        print_registered(state.label, store.url, latest)
+
+    async def _register_again(self, model: TrainableModel, state: _RunState, config) -> None:
+        """A registered model again: the run as it is; trainer settings that differ from the first registration's
+        are applied to the live trainer (those a live trainer cannot change are refused)."""
+        if model.base_model != state.base_model:
+            raise ValueError(f"model {state.label} is registered with base model {state.base_model!r}, not "
+                             f"{model.base_model!r}; use another model name")
+        ready = self._ready_state(model)
+        if config != ready.settings:
+            with ready.exclusive("registering"):
+                changes = {k: v for k, v in config.model_dump().items() if getattr(ready.settings, k) != v}
+                ready.trainer.update_config(**changes)  # ValueError for the adapter's shape, seed, dtype...
+                ready.settings = config
+        self._serve(model, self._server(model.base_model))
+        print_registered(ready.label, ready.store.url, ready.store.latest_step() or 0)
+
+    def _serve(self, model: TrainableModel, server) -> None:
         model.inference_base_url = server.base_url
         model.inference_api_key = self.api_key
-        log.info("registered %s/%s at step %d (%s)", model.project, model.name, latest, store.url)
+
+    def run_url(self, model: TrainableModel) -> str:
+        """Where the registered model's run is stored: ``<storage>/<project>/<name>``."""
+        return self._state(model).store.url
 
     async def get_step(self, model: TrainableModel) -> int:
         return self._state(model).store.latest_step() or 0
 
     async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
-        state = self._state(model)
-        async with state.lock:
-            step = (state.store.latest_step() or 0) + 1
+        state = self._ready_state(model)
+        if not groups:
+            raise ValueError("train needs at least one trajectory group")
+        step = (state.store.latest_step() or 0) + 1
+        with state.exclusive(f"training step {step}"):
+            state.lease.check()
             overrides = config.model_dump(exclude_none=True)
             if overrides:
                 state.trainer.update_config(**overrides)
             result = await asyncio.to_thread(train_step, state.store, step, state.trainer, groups)
             metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))
+            state.lease.check(fresh=True)
             state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
             return TrainResult(step=step, metrics=metrics)
 
     async def log(self, model: Model, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+        relpath = logged_split(split)  # refuses a split that is no file name
+        state = self._ready_state(model) if isinstance(model, TrainableModel) else None
+        if not groups:
+            raise ValueError("log needs at least one trajectory group")
         metrics = summarize(groups, split)
-        if isinstance(model, TrainableModel):
-            state = self._state(model)
-            step = state.store.latest_step() or 0
-            await asyncio.to_thread(state.store.write_groups, step, logged_split(split), groups)
-            state.store.amend_metrics(step, metrics)
+        if state is not None:
+            with state.exclusive(f"logging {split!r}"):
+                step = state.store.latest_step() or 0
+                await asyncio.to_thread(state.store.write_groups, step, relpath, groups)
+                state.store.amend_metrics(step, metrics)
         return metrics
 
     async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward") -> list[int]:
-        return self._state(model).store.apply_retention(1, best_checkpoint_metric, "max")
+        state = self._ready_state(model)
+        with state.exclusive("pruning checkpoints"):
+            return state.store.apply_retention(1, best_checkpoint_metric, "max")
 
     def close(self) -> None:
+        _release_all(self._runs)
         for server in self._servers.values():
             server.stop()
         self._servers.clear()
-        self._runs.clear()
 
     async def __aenter__(self) -> LocalBackend:
         return self

@@ -14,10 +14,16 @@ import httpx
 
 from agents.model import Model, TrainableModel, TrainConfig, TrainResult
 from agents.trajectory import TrajectoryGroup
+from backends.art.run_line import print_registered
 
 
 class RemoteBackendError(RuntimeError):
-    """The backend answered with an error; the message carries its status and detail."""
+    """The backend answered with an error (``status``: its HTTP status, None when unreachable); the message carries
+    the status and the backend's detail (409: another request or process is writing the run)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RemoteBackend:
@@ -37,7 +43,7 @@ class RemoteBackend:
                 detail = resp.json().get("detail")
             except ValueError:
                 detail = resp.text[:500]
-            raise RemoteBackendError(f"backend {self.url}{path} answered {resp.status_code}: {detail}")
+            raise RemoteBackendError(f"backend {self.url}{path} answered {resp.status_code}: {detail}", resp.status_code)
         return resp.json()
 
     def _reachable(self, inference_url: str) -> str:
@@ -57,6 +63,7 @@ class RemoteBackend:
         data = await self._post("/backend/register", model.model_dump(mode="json"))
         model.inference_base_url = self._reachable(data["inference_base_url"])
         model.inference_api_key = self.api_key
+        print_registered(f"{model.project}/{model.name}", f"{data.get('run_url', '?')} (backend {self.url})", int(data["step"]))
 
     async def get_step(self, model: TrainableModel) -> int:
         return int((await self._post("/backend/step", self._ref(model)))["step"])

@@ -75,7 +75,7 @@ class TrainerConfig(BaseModel):
     )
 
     # --- LoRA -----------------------------------------------------------------------------------
-    lora_rank: int = Field(default=8, ge=1, description="LoRA rank r. Higher can learn more per step but costs memory and compute and overfits small reward signals more easily.")
+    lora_rank: int = Field(default=8, ge=1, le=512, description="LoRA rank r (at most 512, the largest vLLM and the embedded engine serve). Higher can learn more per step but costs memory and compute and overfits small reward signals more easily.")
     lora_alpha: float = Field(default=16, gt=0, description="LoRA alpha; the update is scaled by alpha/r. Changing r without alpha changes the effective step size.")
     lora_dropout: float = Field(
         default=0.0, ge=0, lt=1,

@@ -72,7 +72,7 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
             assert await model.get_step() == 0
             for step in range(await model.get_step(), NUM_STEPS):
                 groups = await gather_trajectory_groups(
-                    (TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in SCENARIOS))
+                    TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in SCENARIOS)
                 result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
                 assert result.step == step + 1
                 # published through the trainer's probe record: all greedy tokens agree, float32 tolerance
@@ -153,13 +153,21 @@ def test_readme_coming_from_art_snippet_runs(tmp_path, fork_launcher):
     """The README's loop, as written, with the model swapped for tiny-random to fit CI."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Coming from ART"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     code = code.replace('base_model="smollm2-135m"', 'base_model="tiny-random"')
     script = tmp_path / "readme_loop.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJFLOW_STORAGE": str(tmp_path / "runs")}
     code, _, err = run_script(fork_launcher, [str(script)], env, tmp_path, tmp_path)
     assert code == 0, err[-3000:]
+    assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").latest_step() == 3
+    assert f"my-agent/agent-001: at step 0 (the untrained policy) in {tmp_path / 'runs'}/my-agent/agent-001" in err
+    # run again, finished: it says where the run is and why the loop has nothing to do
+    code, _, err = run_script(fork_launcher, [str(script)], env, tmp_path, tmp_path)
+    assert code == 0, err[-3000:]
+    assert (f"my-agent/agent-001: already at step 3 in {tmp_path / 'runs'}/my-agent/agent-001; the next update "
+            "trains step 4 (a loop `range(await model.get_step(), N)` has nothing to do unless N > 3)") in err
+    assert "taking over the lease" not in err  # the first run let the run go when it exited
     assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").latest_step() == 3
 
 

@@ -31,8 +31,8 @@ PACKAGES = ("agents", "backends", "storage", "tasks", "flows")
 LAYOUT_FILE = "storage/layout.py"
 
 FILE_NAMES = frozenset({
-    "run.json", "manifest.json", "manifest.json.corrupt-", "scenarios.json", "scored.parquet", "adapter_config.json",
-    "adapter_model.safetensors",
+    "run.json", "lease.json", "manifest.json", "manifest.json.corrupt-", "scenarios.json", "scored.parquet",
+    "adapter_config.json", "adapter_model.safetensors",
     "state.pt", "trainer.json", "metrics.json", "training.json", "eval.parquet", "reward_curve.png",
     "judge-cache", "prefect-results",
 })
