@@ -44,7 +44,7 @@ def test_a_second_train_on_a_held_run_stops_at_once_naming_the_holder(prefect_ap
         out = log.read_text()
         assert code == 1, out[-3000:]
         assert time.monotonic() - started < 30  # before Prefect starts
-        assert f"trajflow train: run ci/tiny ({root}/ci/tiny) is in use by trajflow train (pid {os.getpid()}, " \
+        assert f"trajflow train: error: run ci/tiny ({root}/ci/tiny) is in use by trajflow train (pid {os.getpid()}, " \
                f"host {socket.gethostname()})" in out
         assert "expires" in out and "Traceback" not in out
         # the flow itself refuses too (a deployment run does not pass through the command line)

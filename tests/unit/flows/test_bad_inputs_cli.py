@@ -53,7 +53,7 @@ CASES = [
     ("storage cannot be created", ["train", TINY, "--set", "storage=/proc/trajflow-runs/x"], 1,
      "cannot create /proc/trajflow-runs/x in /proc: No such file or directory"),
     ("storage scheme unknown", ["train", TINY, "--set", "storage=nosuch://bucket/runs"], 1,
-     "storage 'nosuch://bucket/runs'"),
+     "invalid storage root 'nosuch://bucket/runs': scheme 'nosuch' is not supported"),
     ("run made with other settings", ["train", TINY, "--set", "storage={tmp}/runs"], 2,
      "run ci/tiny already exists in {tmp}/runs with different group_size"),
     ("eval policy malformed", ["eval", TINY, "--set", "storage={tmp}/runs2", "--policy", "nonsense"], 2,

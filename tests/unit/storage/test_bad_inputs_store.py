@@ -124,7 +124,7 @@ def _store_cases():
         ("forged quarantined manifest", lambda s: s.put_bytes(0, "manifest.json.corrupt-20260101T0000Z", b"{}"),
          InvalidNameError, "is written only by the store"),
         ("run.json as a file", lambda s: s.put_bytes(None, "run.json", b"{}"), InvalidNameError,
-         "'run.json' and 'steps/' are managed by the store"),
+         "'run.json', 'lease.json' and 'steps/' are managed by the store"),
         ("a step's file at run level", lambda s: s.put_bytes(None, "steps/00001/manifest.json", b"{}"),
          InvalidNameError,
          "managed by the store"),
