@@ -49,13 +49,17 @@ def _metrics_text(metrics: dict[str, float]) -> str:
     return " ".join(items[:MAX_METRICS]) + (f" (+{len(items) - MAX_METRICS} more)" if len(items) > MAX_METRICS else "")
 
 
+# A run of `steps: 6` commits steps 0-6: seven steps, six updates. Said under the table, where the count is.
+STEP_ZERO_NOTE = "step 0 is the untrained policy; UPDATES counts the committed GRPO updates after it"
+
+
 def format_table(runs) -> str:
-    header = ("PROJECT", "RUN", "STEPS", "COMMITTED", "LAST", "METRICS (last step)")
+    header = ("PROJECT", "RUN", "UPDATES", "COMMITTED", "LAST", "METRICS (last step)")
     rows = [
         (
             r.project,
             r.run,
-            str(len(r.steps)),
+            str(sum(1 for s in r.steps if s > 0)),
             compress_steps(r.steps) or "-",
             "-" if r.latest_step is None else str(r.latest_step),
             _metrics_text(r.metrics) or "-",
@@ -64,7 +68,7 @@ def format_table(runs) -> str:
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     lines = ["  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths)), row[-1]]).rstrip() for row in [header, *rows]]
-    return "\n".join(lines)
+    return "\n".join([*lines, STEP_ZERO_NOTE])
 
 
 def run_command(args: argparse.Namespace) -> int:

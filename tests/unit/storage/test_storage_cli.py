@@ -47,10 +47,11 @@ def test_runs_table_and_json(store_root, raw_storage, capsys):
 
     assert _cli(["runs", store_root]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["PROJECT", "RUN", "STEPS", "COMMITTED", "LAST", "METRICS", "(last", "step)"]
+    assert lines[0].split() == ["PROJECT", "RUN", "UPDATES", "COMMITTED", "LAST", "METRICS", "(last", "step)"]
     assert lines[1].split() == ["demo", "empty-run", "0", "-", "-", "-"]
-    assert lines[2].split() == ["demo", "run-1", "4", "0-2,5", "5", "reward=0.875"]
-    assert lines[3].split() == ["other", "r.2", "1", "0", "0", "-"]
+    assert lines[2].split() == ["demo", "run-1", "3", "0-2,5", "5", "reward=0.875"]  # step 0 is no update
+    assert lines[3].split() == ["other", "r.2", "0", "0", "0", "-"]
+    assert lines[4] == "step 0 is the untrained policy; UPDATES counts the committed GRPO updates after it"
 
     runs = list_runs(store_root)
     assert [(r.project, r.run, r.latest_step) for r in runs] == [
