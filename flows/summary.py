@@ -37,7 +37,9 @@ def next_commands(config: RunConfig, args: argparse.Namespace, store: RunStore, 
     load = json.dumps({"lora_name": config.policy(step), "lora_path": f"{store.step_url(step)}/{ADAPTER_DIR}"})
     return {
         "evaluate": shlex.join(["trajflow", "eval", *base, "--policy", "base", "--policy", f"@{step}"]),
-        "serve it": shlex.join(["trajflow", "serve", "--model", config.base_model, "--port", "8000"]),
+        # the run's folder as an adapter root: the server loads adapters only from its roots
+        "serve it": shlex.join(["trajflow", "serve", "--model", config.base_model, "--port", "8000",
+                                "--adapter-root", store.url]),
         "then load it": shlex.join(["curl", "-s", "http://127.0.0.1:8000/v1/load_lora_adapter", "-H",
                                     "Content-Type: application/json", "-d", load]),
         "train further": shlex.join(["trajflow", "train", *base, "--set", f"steps={step + max(config.steps, 1)}"]),

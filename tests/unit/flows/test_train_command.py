@@ -9,6 +9,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from backends.inference.adapters import AdapterError
+from backends.serving.adapter_sources import AdapterSources
 from flows.cli import main
 from tests.paths import REPO
 
@@ -56,9 +60,13 @@ def test_train_ends_with_where_the_run_is_and_what_to_run_next(prefect_api, tmp_
     assert f"  log            {log_file}" in lines
     assert re.search(r"^  Prefect UI     http://127\.0\.0\.1:\d+/runs/flow-run/[0-9a-f-]{36}$", out, re.MULTILINE), out
     assert f"  evaluate       trajflow eval {same_run} --policy base --policy @1" in lines
-    assert "  serve it       trajflow serve --model tiny-random --port 8000" in lines
+    assert f"  serve it       trajflow serve --model tiny-random --port 8000 --adapter-root {runs}/ci/tiny" in lines
     assert any(line.startswith("  then load it   curl -s http://127.0.0.1:8000/v1/load_lora_adapter") and
                f'"lora_name": "tiny@1", "lora_path": "{runs}/ci/tiny/steps/00001/adapter"' in line for line in lines)
+    # the server started as suggested accepts the adapter path suggested (its roots refuse anything else)
+    AdapterSources.default([f"{runs}/ci/tiny"]).check(f"{runs}/ci/tiny/steps/00001/adapter")
+    with pytest.raises(AdapterError):
+        AdapterSources.default().check(f"{runs}/ci/tiny/steps/00001/adapter")
     assert f"  train further  trajflow train {same_run} --set steps=2" in lines
     assert len(lines) < 15 and not out.startswith("{")
 
