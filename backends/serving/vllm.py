@@ -2,12 +2,14 @@
 
 `build_command` turns a `VLLMConfig` into::
 
-    vllm serve MODEL --host H --port P --served-model-name NAME
+    COMMAND... serve MODEL --host H --port P --served-model-name NAME
         --enable-lora --max-lora-rank R --max-loras N [--max-cpu-loras M]
         --enable-auto-tool-choice --tool-call-parser hermes
         --logprobs-mode raw_logprobs --gpu-memory-utilization F [--max-model-len L] [--dtype D] EXTRA...
 
-with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (so ``/v1/load_lora_adapter`` works). The API key goes in the
+where COMMAND is ``vllm`` or any argv that runs vLLM's CLI (``/opt/vllm-env/bin/vllm``, ``python3 -m
+vllm.entrypoints.cli.main``), with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (so ``/v1/load_lora_adapter`` works) over
+the caller's environment plus `VLLMConfig.env` (a None value removes a variable, e.g. the flow's ``PYTHONPATH``). The API key goes in the
 ``VLLM_API_KEY`` environment variable, which vLLM reads like ``--api-key``, so it never shows in ``ps`` or in our
 logs. Token ids come back per request: callers send ``extra_body={"return_token_ids": True}`` (the embedded server
 returns them always). `VLLMServer.start` waits for ``/health`` up to a deadline and, if vLLM exits or the deadline
@@ -18,7 +20,10 @@ the launcher against a fake ``vllm`` executable and the dialect client against t
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,11 +31,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.serving.inference_client import InferenceClient
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Environment variables whose values are never logged: their names say they hold a credential.
+SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+log = logging.getLogger("trajflow")
+
+
+def command_argv(command: str | list[str]) -> list[str]:
+    """An executable given as argv (kept) or as one string (split the way a POSIX shell splits words)."""
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    if not argv or not all(isinstance(a, str) and a for a in argv):
+        raise ValueError(f"the vLLM command must name an executable, got {command!r}")
+    return argv
 
 
 class VLLMConfig(BaseModel):
@@ -55,11 +72,20 @@ class VLLMConfig(BaseModel):
         "vLLM's tool-call parser; 'hermes' reads <tool_call>{json}</tool_call> as Qwen2.5 and our templates emit."))
     dtype: str | None = Field(None, description="Model dtype ('auto', 'bfloat16', ...); default vLLM's choice.")
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, appended as is.")
-    executable: str = Field("vllm", description="The vllm command (a path, or a name on PATH).")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for vLLM.")
+    executable: list[str] = Field(["vllm"], description=(
+        "The argv that runs vLLM's CLI, before 'serve' (a string is split like a shell would): 'vllm' on PATH, "
+        "a path, or e.g. ['python3', '-m', 'vllm.entrypoints.cli.main']."))
+    env: dict[str, str | None] = Field(default_factory=dict, description=(
+        "Environment variables for vLLM over the caller's; None removes one (e.g. the flow's PYTHONPATH)."))
     startup_timeout_s: float = Field(900, gt=0, description="How long to wait for /health (model load, compile).")
     stop_grace_s: float = Field(30, gt=0, description="Seconds between SIGTERM and SIGKILL when stopping vLLM.")
     log_path: str | None = Field(None, description="File for vLLM's stdout/stderr (default: a temporary file).")
+
+
+    @field_validator("executable", mode="before")
+    @classmethod
+    def _argv(cls, value):
+        return command_argv(value)
 
 
 class VLLMStartError(RuntimeError):
@@ -74,7 +100,7 @@ def _free_port(host: str) -> int:
 
 def build_command(cfg: VLLMConfig, port: int) -> list[str]:
     """The argv of `vllm serve` for `cfg` on `port`."""
-    cmd = [cfg.executable, "serve", cfg.model, "--host", cfg.host, "--port", str(port),
+    cmd = [*cfg.executable, "serve", cfg.model, "--host", cfg.host, "--port", str(port),
            "--served-model-name", cfg.served_model_name or cfg.model,
            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras),
            "--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser,
@@ -87,6 +113,29 @@ def build_command(cfg: VLLMConfig, port: int) -> list[str]:
     if cfg.dtype is not None:
         cmd += ["--dtype", cfg.dtype]
     return cmd + list(cfg.extra_args)
+
+
+def vllm_environment(cfg: VLLMConfig, base: dict[str, str]) -> dict[str, str]:
+    """vLLM's environment: `base`, then `cfg.env` (None removes), then the runtime-LoRA switch and the API key."""
+    env = {**base, RUNTIME_LORA_ENV: "True"}
+    for name, value in cfg.env.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env[RUNTIME_LORA_ENV] = "True"
+    if cfg.api_key:
+        env["VLLM_API_KEY"] = cfg.api_key
+    else:
+        env.pop("VLLM_API_KEY", None)
+    return env
+
+
+def describe_env(env: dict[str, str | None]) -> str:
+    """``NAME=value`` pairs for a log line, with the value of a credential-like name shown as ***."""
+    def shown(name: str, value: str | None) -> str:
+        return "(removed)" if value is None else "***" if SECRET_NAME.search(name) else value
+    return " ".join(f"{name}={shown(name, value)}" for name, value in env.items())
 
 
 def log_tail(path: Path, lines: int = 40, secret: str | None = None) -> str:
@@ -141,20 +190,19 @@ class VLLMServer:
             fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        env = {**os.environ, **cfg.env, RUNTIME_LORA_ENV: "True"}
-        if cfg.api_key:
-            env["VLLM_API_KEY"] = cfg.api_key
-        else:
-            env.pop("VLLM_API_KEY", None)
-        log = open(self.log_path, "ab")
+        env = vllm_environment(cfg, dict(os.environ))
+        argv = build_command(cfg, self.port)
+        log.info("starting vLLM: %s (env: %s; log: %s)", shlex.join(argv),
+                 describe_env({RUNTIME_LORA_ENV: "True", **cfg.env}), self.log_path)
+        out = open(self.log_path, "ab")
         try:
-            self.process = subprocess.Popen(build_command(cfg, self.port), stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as e:
-            raise VLLMStartError(f"cannot run {cfg.executable!r}: {e} (is vLLM installed? pip install "
-                                 "'trajflow[vllm]')") from e
+            raise VLLMStartError(f"cannot run {shlex.join(cfg.executable)!r}: {e} (is vLLM installed? set "
+                                 "inference.vllm_command to its executable, or pip install 'trajflow[vllm]')") from e
         finally:
-            log.close()
+            out.close()
         if wait:
             self.wait_healthy(cfg.startup_timeout_s)
         return self

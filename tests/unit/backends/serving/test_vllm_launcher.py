@@ -5,102 +5,43 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import sys
-import textwrap
 
 import openai
 import pytest
 
 from backends.serving.inference_client import InferenceClient, InferenceError
-from backends.serving.vllm import VLLMConfig, VLLMServer, VLLMStartError, build_command
-
-FAKE_VLLM = textwrap.dedent('''
-    import argparse, json, os, signal, sys, time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    record = os.environ["FAKE_VLLM_RECORD"]
-    p = argparse.ArgumentParser()
-    p.add_argument("command"); p.add_argument("model")
-    for flag in ("--host", "--port", "--served-model-name", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
-                 "--tool-call-parser", "--logprobs-mode", "--gpu-memory-utilization", "--max-model-len", "--dtype",
-                 "--seed"):
-        p.add_argument(flag)
-    p.add_argument("--enable-lora", action="store_true"); p.add_argument("--enable-auto-tool-choice", action="store_true")
-    args = p.parse_args()
-    state = {"argv": sys.argv[1:], "args": vars(args), "loads": [], "unloads": [],
-             "env": {k: os.environ.get(k) for k in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_API_KEY")}}
-    def save():
-        with open(record, "w") as f: json.dump(state, f)
-    save()
-    print("INFO fake vllm starting", args.model, flush=True)
-    mode = os.environ.get("FAKE_VLLM_MODE", "ok")
-    if mode == "crash":
-        print("ERROR CUDA out of memory while loading weights", flush=True); sys.exit(3)
-    if mode == "hang":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)
-    key = os.environ.get("VLLM_API_KEY")
-    names = [args.served_model_name]
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a): pass
-        def reply(self, code, body, ctype="application/json"):
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code); self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-        def authorised(self):
-            if key and self.headers.get("Authorization") != "Bearer " + key:
-                self.reply(401, {"error": "Unauthorized"}); return False
-            return True
-        def do_GET(self):
-            if self.path == "/health": return self.reply(200, "", "text/plain")
-            if not self.authorised(): return
-            if self.path == "/v1/models":
-                return self.reply(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
-            self.reply(404, {"error": {"message": "no route", "type": "NotFound", "code": 404}})
-        def do_POST(self):
-            if not self.authorised(): return
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if self.path == "/v1/load_lora_adapter":
-                state["loads"].append(body); save(); names.append(body["lora_name"])
-                return self.reply(200, "Success: LoRA adapter added successfully.", "text/plain")
-            if self.path == "/v1/unload_lora_adapter":
-                if body["lora_name"] not in names:
-                    return self.reply(404, {"error": {"message": "The lora adapter cannot be found.", "code": 404}})
-                state["unloads"].append(body); save(); names.remove(body["lora_name"])
-                return self.reply(200, "Success", "text/plain")
-            if self.path == "/v1/chat/completions":
-                if body["model"] not in names:
-                    return self.reply(404, {"error": {"message": "model not found", "type": "NotFoundError",
-                                                      "code": 404}})
-                return self.reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                    "prompt_token_ids": [1, 2, 3],
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
-                                 "logprobs": None, "token_ids": [7, 2]}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
-            self.reply(404, {"error": {"message": "no route", "code": 404}})
-
-    server = ThreadingHTTPServer((args.host, int(args.port)), H)
-    def stop(*_):
-        state["sigterm"] = True; save(); os._exit(0)
-    signal.signal(signal.SIGTERM, stop)
-    server.serve_forever()
-''')
-
-
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
-    script = tmp_path / "vllm"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_VLLM)
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    record = tmp_path / "record.json"
-    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
-    return script, record
-
+from backends.serving.vllm import (RUNTIME_LORA_ENV, VLLMConfig, VLLMServer, VLLMStartError, build_command,
+                                   describe_env, vllm_environment)
 
 def _config(script, tmp_path, **kw) -> VLLMConfig:
-    return VLLMConfig(model="/models/qwen", served_model_name="qwen", port=0, executable=str(script),
+    return VLLMConfig(model="/models/qwen", served_model_name="qwen", port=0, executable=[str(script)],
                       log_path=str(tmp_path / "vllm.log"), startup_timeout_s=20, **kw)
+
+
+# `vllm serve` exactly as it ran on the H200 (benchmarks/results/inference-vllm-h200.md), vLLM 0.26.0.
+H200_COMMAND = ("vllm serve /models/qwen --host 127.0.0.1 --port 8000 --served-model-name base --enable-lora "
+                "--max-lora-rank 16 --max-loras 4 --enable-auto-tool-choice --tool-call-parser hermes --logprobs-mode "
+                "raw_logprobs --gpu-memory-utilization 0.8 --max-model-len 2048 --dtype bfloat16").split()
+
+
+def test_command_is_the_one_that_ran_on_the_h200():
+    cfg = VLLMConfig(model="/models/qwen", served_model_name="base", max_lora_rank=16, max_loras=4,
+                     gpu_memory_utilization=0.8, max_model_len=2048, dtype="bfloat16")
+    assert build_command(cfg, 8000) == H200_COMMAND
+    wrapped = cfg.model_copy(update={"executable": ["python3", "-m", "vllm.entrypoints.cli.main"]})
+    assert build_command(wrapped, 8000) == ["python3", "-m", "vllm.entrypoints.cli.main", *H200_COMMAND[1:]]
+    assert VLLMConfig(model="m", executable="/opt/vllm env/bin/x 'a b'").executable == ["/opt/vllm", "env/bin/x",
+                                                                                          "a b"]
+
+
+def test_environment_is_the_one_that_ran_on_the_h200():
+    cfg = VLLMConfig(model="m", api_key="k", env={"PYTHONPATH": None, "VLLM_SITE": "/s"})
+    base = {"PATH": "/bin", "PYTHONPATH": "/flow", "VLLM_API_KEY": "stale", RUNTIME_LORA_ENV: "False"}
+    assert vllm_environment(cfg, base) == {"PATH": "/bin", "VLLM_SITE": "/s", RUNTIME_LORA_ENV: "True",
+                                           "VLLM_API_KEY": "k"}
+    assert "VLLM_API_KEY" not in vllm_environment(VLLMConfig(model="m"), base)
+    shown = describe_env({"HF_TOKEN": "hf_x", "MY_API_KEY": "s", "VLLM_SITE": "/s", "PYTHONPATH": None})
+    assert shown == "HF_TOKEN=*** MY_API_KEY=*** VLLM_SITE=/s PYTHONPATH=(removed)"
 
 
 def test_command_has_the_flags_the_dialect_needs():
