@@ -45,6 +45,27 @@ class InferenceConfig(BaseModel):
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
     tool_call_parser: str = Field(default="hermes", description="vLLM: tool-call parser matching the chat template")
     max_lora_rank: int = Field(default=16, description="vLLM: largest LoRA rank it must accept")
+    vllm_command: list[str] | str = Field(
+        default_factory=lambda: ["vllm"],
+        description="vLLM: the argv that runs its CLI before `serve` (a string is split like a shell would). The "
+        "default `vllm` from PATH runs in the flow's environment, which pip cannot share with vLLM 0.26 (fastapi "
+        "pins); name vLLM's own environment instead, e.g. `[/opt/vllm-env/bin/vllm]` or `[python3, -m, "
+        "vllm.entrypoints.cli.main]` with `vllm_env: {PYTHONPATH: /opt/vllm-site}`, at the cost of a second "
+        "install to keep in step",
+    )
+    vllm_env: list[str] | dict[str, str | None] = Field(
+        default_factory=dict,
+        description="vLLM: environment over the flow's. A mapping sets values (null removes a variable, e.g. the "
+        "flow's PYTHONPATH); a list names variables that must be set in the flow's environment (credentials: their "
+        "values stay out of the config, and names that look secret are never logged)",
+    )
+
+    @field_validator("vllm_command")
+    @classmethod
+    def _vllm_argv(cls, value: list[str] | str) -> list[str]:
+        from backends.serving.vllm import command_argv
+
+        return command_argv(value)
     probe_tolerance: float | None = Field(
         default=None, gt=0,
         description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "

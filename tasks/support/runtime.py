@@ -49,14 +49,10 @@ class Runtime:
                     raise ValueError("inference.backend=url needs inference.url (the server's …/v1 base URL)")
                 self.base_url = inf.url.rstrip("/")
             elif inf.backend == "vllm":
-                from backends.serving.vllm import VLLMConfig, VLLMServer
+                from backends.serving.vllm import VLLMServer
+                from tasks.support.vllm_launch import vllm_config
 
-                server = VLLMServer(VLLMConfig(
-                    model=self.config.base_model, host=inf.host, port=inf.port or 8000, api_key=self.api_key,
-                    max_lora_rank=inf.max_lora_rank, max_loras=inf.max_loras,
-                    gpu_memory_utilization=inf.gpu_memory_utilization, max_model_len=inf.max_model_len,
-                    tool_call_parser=inf.tool_call_parser,
-                ))
+                server = VLLMServer(vllm_config(self.config, self.api_key))
                 server.start()
                 self._server = server
                 self.base_url = server.base_url

@@ -1,0 +1,41 @@
+"""A run's `vllm serve`: RunConfig's inference section turned into the launcher's `VLLMConfig`.
+
+- The base model: trajflow's names (``smollm2-135m``, ``tiny-random``) mean nothing to vLLM, so it gets the local
+  Hugging Face folder `resolve_model` gives the embedded engine and the trainer, and serves it under the name the
+  embedded engine uses (`ModelSpec.name`), so both backends answer to the same base name.
+- The command: ``inference.vllm_command`` (an argv; vLLM usually lives in an environment of its own).
+- The environment: ``inference.vllm_env``; a mapping is passed as is, a list names variables copied from the flow's
+  environment, each of which must be set (a missing credential fails here, in one line, not in vLLM's log).
+- Port 0 means a free port, as for the embedded server.
+"""
+
+from __future__ import annotations
+
+import os
+
+from backends.modeling.loading import resolve_model
+from backends.serving.vllm import VLLMConfig
+from tasks.run_config import RunConfig
+
+
+def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | None = None) -> dict[str, str | None]:
+    """`inference.vllm_env` as a mapping: a list's names take their values from `environ` (os.environ)."""
+    if isinstance(spec, dict):
+        return dict(spec)
+    environ = os.environ if environ is None else environ
+    missing = [name for name in spec if name not in environ]
+    if missing:
+        raise ValueError(f"inference.vllm_env names {', '.join(missing)}, not set in the flow's environment")
+    return {name: environ[name] for name in spec}
+
+
+def vllm_config(config: RunConfig, api_key: str | None) -> VLLMConfig:
+    """The launcher's config for this run's vLLM (module docstring)."""
+    inf = config.inference
+    spec = resolve_model(config.base_model)
+    return VLLMConfig(
+        model=str(spec.path), served_model_name=spec.name, host=inf.host, port=inf.port, api_key=api_key,
+        max_lora_rank=inf.max_lora_rank, max_loras=inf.max_loras,
+        gpu_memory_utilization=inf.gpu_memory_utilization, max_model_len=inf.max_model_len,
+        tool_call_parser=inf.tool_call_parser, executable=inf.vllm_command, env=vllm_env(inf.vllm_env),
+    )

@@ -1,0 +1,82 @@
+"""The run's `vllm serve` as the flow starts it (tasks/support/runtime.py), against the fake `vllm` executable:
+trajflow's model names become the local folder vLLM can load, `inference.vllm_command` and `inference.vllm_env`
+reach the process, port 0 is a free port, and bad settings fail in one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+
+from backends.modeling.loading import ensure_tiny_random
+from tasks.run_config import RunConfig, load_config
+from tasks.support.runtime import Runtime
+from tasks.support.vllm_launch import vllm_config
+from tests.paths import REPO
+
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def _config(tmp_path, *overrides: str) -> RunConfig:
+    return load_config(TINY, [f"storage={tmp_path / 'runs'}", "inference.backend=vllm", *overrides])
+
+
+def _served(config: RunConfig) -> Runtime:
+    rt = Runtime(config)
+    rt.ensure_server()
+    return rt
+
+
+def test_the_model_alias_reaches_vllm_as_the_local_folder(fake_vllm, tmp_path):
+    script, record = fake_vllm
+    rt = _served(_config(tmp_path, f"inference.vllm_command=[{script}]"))
+    try:
+        args = json.loads(record.read_text())["args"]
+        assert args["model"] == str(ensure_tiny_random())  # the folder the embedded engine loads, not 'tiny-random'
+        assert args["served_model_name"] == "tiny-random"  # the base name the embedded engine serves
+        assert int(args["port"]) == rt._server.port != 8000  # inference.port 0: a free port
+    finally:
+        rt.close()
+
+
+def test_vllm_command_and_env_reach_the_process_and_secrets_stay_out_of_the_log(fake_vllm, tmp_path, monkeypatch,
+                                                                                  caplog):
+    script, record = fake_vllm
+    monkeypatch.setenv("FAKE_VLLM_WATCH", "PYTHONPATH,VLLM_SITE,HF_TOKEN")
+    monkeypatch.setenv("PYTHONPATH", "/the/flows/site")
+    monkeypatch.setenv("HF_TOKEN", "hf_verysecretvalue")
+    command = f"{sys.executable} {script}"  # a string is split like a shell would
+    env = '{PYTHONPATH: null, VLLM_SITE: /opt/vllm-site}'
+    with caplog.at_level(logging.INFO, logger="trajflow"):
+        rt = _served(_config(tmp_path, f"inference.vllm_command={command}", f"inference.vllm_env={env}"))
+        rt.close()
+    state = json.loads(record.read_text())
+    assert state["env"]["PYTHONPATH"] is None and state["env"]["VLLM_SITE"] == "/opt/vllm-site"
+    assert state["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+    with caplog.at_level(logging.INFO, logger="trajflow"):
+        rt = _served(_config(tmp_path, f"inference.vllm_command=[{script}]", "inference.vllm_env=[HF_TOKEN]"))
+        rt.close()
+    assert json.loads(record.read_text())["env"]["HF_TOKEN"] == "hf_verysecretvalue"
+    assert "hf_verysecretvalue" not in caplog.text and "HF_TOKEN=***" in caplog.text
+    assert "VLLM_SITE=/opt/vllm-site" in caplog.text and "starting vLLM" in caplog.text
+
+
+def test_the_default_command_is_vllm_on_path(tmp_path):
+    config = _config(tmp_path)
+    assert config.inference.vllm_command == ["vllm"] and config.inference.vllm_env == {}
+    assert vllm_config(config, None).executable == ["vllm"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["inference.vllm_command=[]"], "must name an executable"),
+    (["inference.vllm_command=''"], "must name an executable"),
+    (["inference.vllm_env=[TRAJFLOW_NOT_SET_ANYWHERE]"], "TRAJFLOW_NOT_SET_ANYWHERE, not set in the flow's"),
+    (["base_model=/no/such/model"], "unknown model '/no/such/model'"),
+])
+def test_bad_vllm_settings_fail_in_one_line(tmp_path, overrides, error):
+    with pytest.raises(ValueError) as e:
+        vllm_config(_config(tmp_path, *overrides), None)
+    assert error in str(e.value)
