@@ -30,6 +30,16 @@ def local_adapter(rt: Runtime, step: int, expected: dict[str, str] | None) -> Pa
     return download_adapter(rt.store, step, expected, rt.config.project, rt.config.run)
 
 
+async def ensure_served(rt: Runtime, step: int) -> None:
+    """Load `<run>@<step>` from storage if the server does not list it (a restarted server forgot it)."""
+    name = rt.config.policy(step)
+    inference = rt.inference_client()
+    if name not in await inference.models():
+        log.info("%s is not served (the inference server restarted?): loading it from storage", name)
+        adapter = await asyncio.to_thread(local_adapter, rt, step, None)
+        await inference.load_adapter(name, str(adapter))
+
+
 async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> dict[str, float]:
     cfg = rt.config
     # Without a probe record, a trainer in this process (training.mode=local) gives the stronger check.

@@ -7,9 +7,12 @@
   a rerun of the step reads finished groups back and only runs the missing ones, so a kill loses at
   most the groups in flight.
 - Sampling is reproducible: every call's seed derives from (run, step, scenario, index).
-- Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors;
-  when every failure's type is a transient one (``tasks.support.retry_policy``: connection loss,
-  timeouts of the client, 5xx), the failure is transient and retried.
+- Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors (and,
+  when the vLLM the run launched has died, its exit code and log tail) and deleting the groups that hold
+  failures, so that a rerun runs them again; when every failure's type is a transient one
+  (``tasks.support.retry_policy``: connection loss, timeouts of the client, 5xx), the failure is transient
+  and retried. A retry finds a dead vLLM restarted
+  (``Runtime.ensure_server``) and reloads the policy's adapter from storage if the server lost it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 from storage.layout import GROUPS_DIR, group_file
 from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
+from tasks.publish import ensure_served
 from tasks.support.crash_points import crash_point
 from tasks.support.progress import Progress
 from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
@@ -109,6 +113,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     client = rt.client()
     rewards: list[float] = []
     failures: list[RecordedException] = []
+    failed_groups: list[int] = []
 
     async def group_task(i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
@@ -116,6 +121,8 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
+        if group.exceptions:
+            failed_groups.append(i)
         mean = sum(rewards) / len(rewards) if rewards else float("nan")
         await progress.advance(group_size, extra=f"reward={mean:.3f} failed={len(failures)}")
 
@@ -129,6 +136,13 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         first = "\n".join(f"- {e.type}: {e.message}" for e in failures[:5])
         message = (f"{len(failures)} of {total} rollouts failed (limit {config.rollouts.max_failure_fraction:.0%} "
                    f"of {total}); first errors:\n{first}")
+        # The groups holding failures are not kept: the retry (or the resumed run) runs them again rather than
+        # reading back what a dead server or a broken agent produced; groups that fully succeeded stay.
+        for i in failed_groups:
+            await asyncio.to_thread(store.delete, storage_step, group_file(prefix, i))
+        died = rt.server_failure()
+        if died is not None:
+            message += f"\n{died}"
         if all(is_transient_type_name(e.type) for e in failures):
             raise TransientError(message)
         raise RolloutFailures(message)
@@ -152,6 +166,7 @@ def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[Trajecto
 def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
     """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
     policy = config.policy(step - 1)
+    asyncio.run(ensure_served(get_runtime(config), step - 1))
     return asyncio.run(run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
                                   f"rollouts step {step} ({policy})", storage_step=step))
 

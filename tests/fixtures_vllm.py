@@ -1,7 +1,8 @@
 """A fake `vllm` executable for the CPU: parses `vllm serve`'s flags, records its argv, arguments and watched
 environment variables (the two it always records plus FAKE_VLLM_WATCH's comma-separated names) in
 $FAKE_VLLM_RECORD, and speaks vLLM's dialect (health, models, adapters, chat completions with token ids).
-FAKE_VLLM_MODE=crash exits at start with an out-of-memory line; =hang never answers and ignores SIGTERM."""
+FAKE_VLLM_MODE=crash exits at start with an out-of-memory line; =hang never answers and ignores SIGTERM;
+=die_on_chat serves until the first chat completion, then prints an engine error and exits with code 9."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ FAKE_VLLM = textwrap.dedent('''
                     return self.reply(404, {"error": {"message": "The lora adapter cannot be found.", "code": 404}})
                 state["unloads"].append(body); save(); names.remove(body["lora_name"])
                 return self.reply(200, "Success", "text/plain")
+            if self.path == "/v1/chat/completions" and mode == "die_on_chat":
+                print("ERROR EngineCore died: CUDA error: an illegal memory access", flush=True); os._exit(9)
             if self.path == "/v1/chat/completions":
                 if body["model"] not in names:
                     return self.reply(404, {"error": {"message": "model not found", "type": "NotFoundError",

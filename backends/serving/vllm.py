@@ -225,6 +225,15 @@ class VLLMServer:
                                      f"lines ({self.log_path}):\n{self._tail()}")
             time.sleep(0.25)
 
+    def failure(self) -> str | None:
+        """None while the vLLM we launched runs (or for an attached one); once it has exited, a message naming its
+        pid, exit code and log tail."""
+        proc = self.process
+        if proc is None or proc.poll() is None:
+            return None
+        return (f"vLLM (pid {proc.pid}, {self.url}) exited with code {proc.returncode}; last log lines "
+                f"({self.log_path}):\n{self._tail()}")
+
     def _tail(self) -> str:
         return log_tail(self.log_path, secret=self.config.api_key) if self.log_path else "(no log)"
 

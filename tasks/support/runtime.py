@@ -42,7 +42,15 @@ class Runtime:
         """Start or attach to the inference server; returns its base URL (…/v1)."""
         with self._lock:
             if self.base_url is not None:
-                return self.base_url
+                died = self.server_failure()
+                if died is None:
+                    return self.base_url
+                # A vLLM that died (OOM, a crash, a kill) is started afresh; it has forgotten its adapters, which
+                # the rollouts reload from storage (tasks/rollouts.py) and publishing loads anyway.
+                log.warning("%s\nrestarting it", died)
+                self._server.stop()
+                self._server = None
+                self.base_url = None
             inf = self.config.inference
             if inf.backend == "url":
                 if not inf.url:
@@ -66,6 +74,11 @@ class Runtime:
                 self._server = handle
                 self.base_url = handle.base_url
             return self.base_url
+
+    def server_failure(self) -> str | None:
+        """Why the vLLM this runtime launched is gone (its exit code and log tail), or None while it runs."""
+        failure = getattr(self._server, "failure", None)
+        return failure() if failure is not None else None
 
     def client(self):
         """A fresh policy client (per task: httpx clients must not cross event loops)."""

@@ -80,3 +80,38 @@ def test_bad_vllm_settings_fail_in_one_line(tmp_path, overrides, error):
     with pytest.raises(ValueError) as e:
         vllm_config(_config(tmp_path, *overrides), None)
     assert error in str(e.value)
+
+
+def test_vllm_dying_mid_rollouts_fails_the_task_clearly_and_the_retry_restarts_it(fake_vllm, tmp_path, monkeypatch):
+    from storage.layout import group_file, GROUPS_DIR
+    from tasks.rollouts import run_rollouts_fn
+    from tasks.scenarios import sample_scenarios_fn
+    from tasks.support.retry_policy import TransientError, is_transient
+    from tasks.support.runtime import close_runtime, get_runtime
+    from tasks.training import initialize_policy_fn
+
+    script, record = fake_vllm
+    config = _config(tmp_path, f"inference.vllm_command=[{script}]", "rollouts.timeout_s=20")
+    initialize_policy_fn(config)  # the step-0 adapter in storage, which the rollouts of step 1 sample from
+    monkeypatch.setenv("FAKE_VLLM_MODE", "die_on_chat")
+    rt = get_runtime(config)
+    try:
+        rt.ensure_server()
+        first_pid = rt._server.process.pid
+        monkeypatch.setenv("FAKE_VLLM_MODE", "ok")  # the restarted vLLM is healthy
+        scenarios = sample_scenarios_fn(config, 1)
+        with pytest.raises(TransientError) as e:
+            run_rollouts_fn(config, 1, scenarios)
+        message = str(e.value)
+        assert is_transient(e.value)  # so Prefect's retry (tasks/rollouts.py: retries=3) runs the task again
+        assert f"vLLM (pid {first_pid}" in message and "exited with code 9" in message
+        assert "EngineCore died: CUDA error" in message  # the log tail
+
+        result = run_rollouts_fn(config, 1, scenarios)  # the retry: vLLM restarted, the policy reloaded
+        assert rt._server.process.pid != first_pid and rt.server_failure() is None
+        assert result["failed_rollouts"] == 0 and result["ran_groups"] == len(scenarios)
+        assert all(rt.store.exists(1, group_file(GROUPS_DIR, i)) for i in range(len(scenarios)))
+        loads = json.loads(record.read_text())["loads"]
+        assert [load["lora_name"] for load in loads] == [config.policy(0)]
+    finally:
+        close_runtime(config)
