@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -183,8 +184,12 @@ class Location:
         parts = target.split("/")
         for end in range(2, len(parts) + 1):
             prefix = "/".join(parts[:end])
-            if not os.path.isdir(prefix):
-                return prefix if os.path.exists(prefix) else None
+            try:  # one stat: an isdir-then-exists pair misreads a folder another writer creates in between
+                mode = os.stat(prefix).st_mode
+            except OSError:
+                return None
+            if not stat.S_ISDIR(mode):
+                return prefix
         return None
 
     def check_root(self) -> None:
