@@ -6,7 +6,9 @@ sample scenarios -> rollouts with policy <run>@<k-1> -> score -> GRPO update -> 
 
 One writer per run: the flow holds the run's lease (storage/lease.py) from start to end, so a second
 `trajflow train` on the same run stops at once, naming the holder; a run whose process was killed or
-preempted is taken over once its lease expires (or at once on the same host). ``run.json`` is written
+preempted is taken over once its lease expires (or at once on the same host). SIGTERM (a spot reclaim) stops the
+flow at the next stage or between rollout groups, logs "preempted at step N", releases the lease and ends the run
+Crashed (tasks/support/preemption.py). ``run.json`` is written
 once step 0 exists, so a first start that fails (a typo in base_model) leaves the run name free.
 
 Resume: the flow starts from the last committed step. Within an uncommitted step, every stage whose
@@ -43,6 +45,7 @@ from tasks.run_config import RunConfig, check_run_identity
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.support.crash_points import crash_point
+from tasks.support.preemption import graceful_sigterm, stop_if_requested
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
@@ -52,8 +55,8 @@ log = logging.getLogger("trajflow")
 
 
 class StageTimer:
-    """Wall time per stage of a step, reported as time/<stage>_s and time/step_s; `before_stage()` runs as each
-    stage starts (the lease check: a process that lost the run stops at the next stage)."""
+    """Wall time per stage of a step, reported as time/<stage>_s and time/step_s; `before_stage(stage)` runs as
+    each stage starts (the safe point: a process that lost the run's lease, or got SIGTERM, stops there)."""
 
     def __init__(self, before_stage=None):
         self.started = time.perf_counter()
@@ -63,7 +66,7 @@ class StageTimer:
     @contextlib.contextmanager
     def __call__(self, stage: str):
         if self.before_stage is not None:
-            self.before_stage()
+            self.before_stage(stage)
         t0 = time.perf_counter()
         try:
             yield
@@ -101,59 +104,71 @@ def train(config: RunConfig) -> dict[str, Any]:
         return task.with_options(result_storage=storage)
 
     try:
-        check_run_identity(store.read_run_config(), config)
-        committed = store.committed_steps()
-        last = committed[-1] if committed else None
-        resumed_from = last
-        if last is None:
-            training = initialize_policy_fn(config)
-            store.write_run_config(config.model_dump(mode="json"))  # step 0 exists: the run is this config's now
-            publish = with_run_storage(publish_policy)(config, 0, training)
-            metrics = dict(publish["metrics"])
-            if _evaluate_due(config, 0):
-                metrics.update(with_run_storage(evaluate_policy)(config, 0))
-            lease.check(fresh=True)
-            store.commit(0, metrics, extra={"policy": config.policy(0)})
-            log.info("%s", format_step_line(0, metrics, config.policy(0)))
-            last = 0
-        else:
-            metrics = store.read_manifest(last).metrics
-            store.write_run_config(config.model_dump(mode="json"))
-            training = training_result(store, last)
-            with_run_storage(publish_policy)(config, last, training)
-            log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
-        for step in range(last + 1, config.steps + 1):
-            timer = StageTimer(before_stage=lease.check)
-            with timer("sample"):
-                scenarios = with_run_storage(sample_scenarios)(config, step)
-            with timer("rollouts"):
-                rollouts = with_run_storage(run_rollouts)(config, step, scenarios)
-            with timer("score"):
-                scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
-            with timer("train"):
-                training = with_run_storage(train_policy)(config, step)
-            with timer("publish"):
-                publish = with_run_storage(publish_policy)(config, step, training)
-            metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
-            metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
-            if _evaluate_due(config, step):
-                with timer("evaluate"):
-                    metrics.update(with_run_storage(evaluate_policy)(config, step))
-            metrics.update(timer.metrics())
-            crash_point("before-commit", step)
-            lease.check(fresh=True)
-            store.commit(step, metrics, extra={"policy": config.policy(step)})
-            pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
-                                           config.retention.mode)
-            if pruned:
-                log.info("retention pruned checkpoints of steps %s", pruned)
-            publish_run_artifacts(store)
-            log.info("%s", format_step_line(step, metrics, config.policy(step)))
-        return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
-                "flow_run_url": flow_run_url}
+        with graceful_sigterm():
+            return _train_steps(config, store, lease, with_run_storage, flow_run_url)
     finally:
         lease.release()
         close_runtime(config)
+
+
+def _safe_point(lease: RunLease, step: int, stage: str) -> None:
+    """Before each stage: stop if SIGTERM came (the run is marked Crashed) or the run's lease was lost."""
+    stop_if_requested(step, stage)
+    lease.check()
+
+
+def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, flow_run_url) -> dict[str, Any]:
+    """Step 0 (or the resume point), then every step up to `config.steps`, each committed before the next."""
+    check_run_identity(store.read_run_config(), config)
+    committed = store.committed_steps()
+    last = committed[-1] if committed else None
+    resumed_from = last
+    if last is None:
+        training = initialize_policy_fn(config)
+        store.write_run_config(config.model_dump(mode="json"))  # step 0 exists: the run is this config's now
+        publish = with_run_storage(publish_policy)(config, 0, training)
+        metrics = dict(publish["metrics"])
+        if _evaluate_due(config, 0):
+            metrics.update(with_run_storage(evaluate_policy)(config, 0))
+        lease.check(fresh=True)
+        store.commit(0, metrics, extra={"policy": config.policy(0)})
+        log.info("%s", format_step_line(0, metrics, config.policy(0)))
+        last = 0
+    else:
+        metrics = store.read_manifest(last).metrics
+        store.write_run_config(config.model_dump(mode="json"))
+        training = training_result(store, last)
+        with_run_storage(publish_policy)(config, last, training)
+        log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
+    for step in range(last + 1, config.steps + 1):
+        timer = StageTimer(before_stage=lambda stage, step=step: _safe_point(lease, step, stage))
+        with timer("sample"):
+            scenarios = with_run_storage(sample_scenarios)(config, step)
+        with timer("rollouts"):
+            rollouts = with_run_storage(run_rollouts)(config, step, scenarios)
+        with timer("score"):
+            scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
+        with timer("train"):
+            training = with_run_storage(train_policy)(config, step)
+        with timer("publish"):
+            publish = with_run_storage(publish_policy)(config, step, training)
+        metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
+        metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
+        if _evaluate_due(config, step):
+            with timer("evaluate"):
+                metrics.update(with_run_storage(evaluate_policy)(config, step))
+        metrics.update(timer.metrics())
+        crash_point("before-commit", step)
+        lease.check(fresh=True)
+        store.commit(step, metrics, extra={"policy": config.policy(step)})
+        pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
+                                       config.retention.mode)
+        if pruned:
+            log.info("retention pruned checkpoints of steps %s", pruned)
+        publish_run_artifacts(store)
+        log.info("%s", format_step_line(step, metrics, config.policy(step)))
+    return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
+            "flow_run_url": flow_run_url}
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -32,12 +33,15 @@ from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.publish import ensure_served
 from tasks.support.crash_points import crash_point
+from tasks.support.preemption import preemption_requested, stop_if_requested
 from tasks.support.progress import Progress
 from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
 from tasks.support.runtime import Runtime, get_runtime
 from tasks.support.tracing import get_tracer
 
 log = logging.getLogger("trajflow")
+
+PREEMPTION_POLL_S = 0.2  # how soon a SIGTERM stops the rollouts: well inside any grace period
 
 
 class RolloutFailures(RuntimeError):
@@ -93,6 +97,20 @@ async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step:
     return group
 
 
+async def _unless_preempted(work, step: int, label: str) -> None:
+    """Await `work`; on SIGTERM (tasks/support/preemption.py) cancel it and stop: the groups in flight are
+    abandoned, a group write already started finishes (asyncio.run waits for its thread) or never appears."""
+    work = asyncio.ensure_future(work)
+    while not work.done():
+        await asyncio.wait({work}, timeout=PREEMPTION_POLL_S)
+        if preemption_requested() and not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            stop_if_requested(step, f"the remaining groups of {label}")
+    await work
+
+
 async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
                      group_size: int, label: str, *, storage_step: int | None) -> dict[str, Any]:
     """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed.
@@ -127,7 +145,8 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         await progress.advance(group_size, extra=f"reward={mean:.3f} failed={len(failures)}")
 
     try:
-        await asyncio.gather(*(group_task(i, s) for i, s in todo))
+        await _unless_preempted(asyncio.gather(*(group_task(i, s) for i, s in todo)),
+                                storage_step if storage_step is not None else step, label)
     finally:
         await client.close()
         tracer.flush()

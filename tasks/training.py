@@ -17,6 +17,7 @@ from backends.policy.checkpoints import initialize, train_step, training_result
 from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
+from tasks.support.deployment_attempts import DEFAULT_ATTEMPTS, POLL_S, run_deployment_until_complete
 from tasks.support.retry_policy import retry_condition
 from tasks.support.runtime import get_runtime
 
@@ -38,23 +39,15 @@ def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     return result
 
 
-def train_remote(config: RunConfig, step: int) -> dict[str, Any]:
-    """Run the update as the GPU deployment and read its result from storage."""
-    from prefect.deployments import run_deployment
-
-    run = run_deployment(config.training.deployment, parameters={"config": config.model_dump(mode="json"),
-                                                                 "step": step},
-                         timeout=config.training.timeout_s)
-    state = getattr(run, "state", None)
-    if state is None or not state.is_completed():
-        raise RuntimeError(f"training deployment {config.training.deployment!r} for step {step} ended "
-                           f"{getattr(state, 'name', 'without a state')}")
-    # this process's resources for the run (tasks/support/runtime.py)
-    result = training_result(get_runtime(config).store, step)
-    if result is None:
-        raise RuntimeError(f"training deployment {config.training.deployment!r} completed step {step} "
-                           "without writing its training result")
-    return result
+def train_remote(config: RunConfig, step: int, *, attempts: int = DEFAULT_ATTEMPTS,
+                 poll_s: float = POLL_S) -> dict[str, Any]:
+    """Run the update as the GPU deployment and read its result from storage; a crashed or lost run (a GPU
+    machine reclaimed) is run again, at most `attempts` runs in all (tasks/support/deployment_attempts.py)."""
+    store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
+    return run_deployment_until_complete(
+        config.training.deployment, {"config": config.model_dump(mode="json"), "step": step},
+        lambda: training_result(store, step), what=f"training step {step}", timeout_s=config.training.timeout_s,
+        attempts=attempts, poll_s=poll_s)
 
 
 @task(name="train", cache_key_fn=cache_key_fn("training"), retries=2, retry_delay_seconds=[10, 60],

@@ -1,13 +1,36 @@
-"""Fixtures for kill-and-resume tests: a shared tiny inference server behind a request-counting proxy."""
+"""Fixtures for kill-and-resume tests: a shared tiny inference server behind a request-counting proxy, and the
+command line of one training run against it."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
+
+
+def train_invocation(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None,
+                     api_url: str | None, *, steps: int, groups: int, group_size: int) -> tuple[list[str], dict, Path]:
+    """(argv, env, log path) of one `python -m flows.train` run of configs/tiny.yaml with the echo agent against
+    `proxy_url`, on a fresh PREFECT_HOME (a new machine); `api_url` None: Prefect's ephemeral API."""
+    home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
+    for key in ("TRAJFLOW_CRASH_AT", "PREFECT_API_URL"):
+        env.pop(key, None)
+    if crash_at:
+        env["TRAJFLOW_CRASH_AT"] = crash_at
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    args = ["configs/tiny.yaml", "--set", f"storage={root}", "--set", "agent=tests.flow_agents:EchoAgent",
+            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
+            "--set", f"steps={steps}", "--set", f"groups_per_step={groups}", "--set", f"group_size={group_size}",
+            "--set", f"rollouts.concurrency={group_size}"]  # groups finish one after another
+    return ["-m", "flows.train", *args], env, tmp_path / f"flow-{os.urandom(4).hex()}.log"
 
 
 def _is_rollout(body: dict, model: str) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from storage.store import RunStore
+from tests.fixtures_resume import train_invocation
 from tests.paths import REPO
 
 GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
@@ -37,21 +38,9 @@ GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str | None,
              env_extra: dict | None = None, api_url: str | None = None):
     """One `python -m flows.train` run (forked) on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
-    home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"  # a fresh machine every time
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
-    for key in ("TRAJFLOW_CRASH_AT", "PREFECT_API_URL"):
-        env.pop(key, None)
-    if crash_at:
-        env["TRAJFLOW_CRASH_AT"] = crash_at
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
-    args = ["configs/tiny.yaml", "--set", f"storage={root}", "--set", "agent=tests.flow_agents:EchoAgent",
-            "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
-            "--set", f"steps={STEPS}", "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}",
-            "--set", f"rollouts.concurrency={GROUP_SIZE}"]  # groups finish one after another
-    log_path = tmp_path / f"flow-{os.urandom(4).hex()}.log"
-    code = launcher.run(["-m", "flows.train", *args], env, REPO, log_path, timeout=400)
+    argv, env, log_path = train_invocation(root, proxy_url, tmp_path, crash_at, env_extra, api_url,
+                                           steps=STEPS, groups=GROUPS, group_size=GROUP_SIZE)
+    code = launcher.run(argv, env, REPO, log_path, timeout=400)
     return code, log_path.read_text()
 
 
