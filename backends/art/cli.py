@@ -7,19 +7,10 @@ loopback only: on another address it refuses to start without one, and without o
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for wildcards and other hosts."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+from backends.serving.exposure import is_loopback
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

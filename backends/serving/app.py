@@ -40,6 +40,7 @@ from backends.inference.engine import Engine, EngineConfig, EngineStopped, Reque
 from backends.serving import completions as text_completions
 from backends.serving.adapter_sources import AdapterSources
 from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, stream_chunks
+from backends.serving.exposure import check_exposure
 from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES, BadBody, BodyTooLarge, read_json
 from backends.serving.tokenizer_pool import TokenizerPool
 
@@ -285,25 +286,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_exposure(host: str, api_key: str | None) -> None:
-    """An unkeyed server must stay on loopback: ValueError for any other bind address without a key."""
-    if not api_key and not is_loopback(host):
-        raise ValueError(f"binding {host} needs an API key (--api-key or $TRAJFLOW_API_KEY): without one, anyone who "
-                         "reaches the port can generate and load adapters; an unkeyed server stays on 127.0.0.1")
 
 
 def start_server(model: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,

@@ -108,7 +108,7 @@ def serve(args: argparse.Namespace) -> int:
     import sys
 
     from backends.serving.adapter_sources import AdapterSources
-    from backends.serving.app import check_exposure
+    from backends.serving.exposure import check_exposure
 
     api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
     try:

@@ -14,7 +14,7 @@ from typing import Self
 import httpx
 import pytest
 
-from backends.art.cli import is_loopback
+from backends.serving.exposure import is_loopback
 from tests.paths import REPO
 
 KEY_ENV = "TRAJFLOW_BACKEND_API_KEY"
