@@ -17,12 +17,12 @@ from typing import Any
 
 from prefect import flow
 
+from backends.policy.publish import ensure_loaded
 from flows.arguments import eval_parser
 from flows.command import run_flow_command
 from flows.console import announce_flow_run
 from flows.preflight import USAGE_EXIT, CommandError
 from storage.layout import evaluation_dir, evaluation_file, scored_file
-from tasks.publish import local_adapter
 from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
 from tasks.scenarios import val_scenarios
@@ -70,9 +70,7 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
         served = await rt.inference_client().models()
         model = next(m for m in served if "@" not in m)
     elif policy["kind"] == "adapter":
-        adapter = local_adapter(rt, policy["step"], None)
-        await rt.inference_client().load_adapter(policy["label"], str(adapter))
-        model = policy["label"]
+        model, _ = await ensure_loaded(rt.store, rt.inference_client(), config.project, config.run, policy["step"])
     scenarios = val_scenarios(config)
     area = evaluation_dir(stamp, policy["label"])
     rollouts = await run_groups(config, 0, scenarios, model, area, 1, f"eval {policy['label']}", storage_step=None)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 from prefect import task
 
-from backends.policy.publish import local_adapter as download_adapter
-from backends.policy.publish import publish_step
+from backends.policy.publish import ensure_loaded, publish_step
 from tasks.run_config import RunConfig
 from tasks.support.retry_policy import TransientError, is_transient, retry_condition
 from tasks.support.runtime import Runtime, get_runtime
@@ -25,19 +23,12 @@ from tasks.support.runtime import Runtime, get_runtime
 log = logging.getLogger("trajflow")
 
 
-def local_adapter(rt: Runtime, step: int, expected: dict[str, str] | None) -> Path:
-    """The adapter of `step` of the run `rt` holds, in the local cache (hash-checked against `expected`)."""
-    return download_adapter(rt.store, step, expected, rt.config.project, rt.config.run)
-
-
 async def ensure_served(rt: Runtime, step: int) -> None:
     """Load `<run>@<step>` from storage if the server does not list it (a restarted server forgot it)."""
-    name = rt.config.policy(step)
-    inference = rt.inference_client()
-    if name not in await inference.models():
-        log.info("%s is not served (the inference server restarted?): loading it from storage", name)
-        adapter = await asyncio.to_thread(local_adapter, rt, step, None)
-        await inference.load_adapter(name, str(adapter))
+    cfg = rt.config
+    name, loaded = await ensure_loaded(rt.store, rt.inference_client(), cfg.project, cfg.run, step)
+    if loaded:
+        log.info("%s was not served (the inference server restarted?): loaded it from storage", name)
 
 
 async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> dict[str, float]:

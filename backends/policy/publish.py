@@ -103,14 +103,23 @@ async def previous_policy(store, inference, run: str, step: int, training: dict[
     if step == 0 or shift < MIN_SHIFT_TO_CHECK:
         return None
     served = await inference.models()
-    previous = policy_name(run, step - 1)
-    if previous in served:
-        return previous
-    if store.exists(step - 1, ADAPTER_WEIGHTS_REL):
-        adapter = await asyncio.to_thread(local_adapter, store, step - 1, None, project, run)
-        await inference.load_adapter(previous, str(adapter))
-        return previous
+    if policy_name(run, step - 1) in served or store.exists(step - 1, ADAPTER_WEIGHTS_REL):
+        return (await ensure_loaded(store, inference, project, run, step - 1, served))[0]
     return next(m for m in served if "@" not in m)
+
+
+async def ensure_loaded(store, inference, project: str, run: str, step: int,
+                        served: list[str] | None = None) -> tuple[str, bool]:
+    """``<run>@<step>`` servable: loaded from storage unless the server lists it (`served`, asked when None).
+
+    Returns (name, whether it was loaded now). The adapter's hashes are not checked here: publish did that
+    when the step was first served."""
+    name = policy_name(run, step)
+    if name in (await inference.models() if served is None else served):
+        return name, False
+    adapter = await asyncio.to_thread(local_adapter, store, step, None, project, run)
+    await inference.load_adapter(name, str(adapter))
+    return name, True
 
 
 async def publish_step(store, inference, client, project: str, run: str, step: int,
