@@ -184,8 +184,10 @@ def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None
     if tuned:
         log.warning("run %s/%s continues with changed trainer settings: %s", config.project, config.run,
                     "; ".join(tuned))
-    stored = {**stored, "trainer": {k: v for k, v in stored_trainer.items() if k in identity}}
-    changed = [f for f in RunConfig.IDENTITY_FIELDS if f in stored and _differs(stored[f], current.get(f))]
+    changed = [f for f in RunConfig.IDENTITY_FIELDS
+               if f != "trainer" and f in stored and _differs(stored[f], current.get(f))]
+    if TrainerConfig.identity_changes(stored_trainer, current_trainer):
+        changed.append("trainer")  # last in IDENTITY_FIELDS, so the message keeps their order
     if changed:
         raise ValueError(
             f"run {config.project}/{config.run} already exists in {config.storage} with different {', '.join(changed)}; "

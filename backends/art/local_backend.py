@@ -80,10 +80,7 @@ def _check_identity(stored: dict | None, model: TrainableModel, config, storage:
     if stored.get("base_model") not in (None, model.base_model):
         raise ValueError(f"{where} was trained from {stored.get('base_model')!r}, not {model.base_model!r}; "
                          "use another model name")
-    trainer = stored.get("trainer") or {}
-    current = config.model_dump(mode="json")
-    changed = [f"{k}: {trainer[k]!r} -> {current[k]!r}" for k in config.IDENTITY_FIELDS
-               if k in trainer and trainer[k] != current[k]]
+    changed = config.identity_changes(stored.get("trainer") or {}, config.model_dump(mode="json"))
     if changed:
         raise ValueError(f"{where} has another adapter ({'; '.join(changed)}); use another model name or the "
                          "original trainer settings")

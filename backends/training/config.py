@@ -7,7 +7,7 @@ and fix its gaps (one optimizer step per call with real gradient accumulation, e
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -224,6 +224,13 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
+
+    @classmethod
+    def identity_changes(cls, stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+        """``"field: stored -> current"`` for each IDENTITY_FIELDS entry that `stored` (a saved config's JSON) has
+        and `current` differs in; a field the stored config lacks (written by an older version) is no change."""
+        return [f"{k}: {stored[k]!r} -> {current.get(k)!r}" for k in cls.IDENTITY_FIELDS
+                if k in stored and stored[k] != current.get(k)]
 
     @field_validator("memory_efficient_ops", mode="before")
     @classmethod
