@@ -1,4 +1,4 @@
-"""What the flow commands accept, for `trajflow train|eval|config show` and `python -m flows.train|evaluate`.
+"""What the flow commands accept, for `trajflow train|eval|deploy|config show` and `python -m flows.train|evaluate`.
 
 Standard library only, so building the `trajflow` parser imports no flow. It is a module of its own because
 flows/cli.py imports the flows (lazily, to run them): were the parsers in flows/cli.py, a flow's ``__main__`` block
@@ -52,4 +52,19 @@ def config_show_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.description = ("Print the effective config (CONFIG, or the defaults, with --set applied) as YAML, each "
                           "field's description as a comment. The output is itself a valid config file.")
     _config_arguments(parser)
+    return parser
+
+
+def deploy_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--file, --home, --gpu-slots, --silent-after-s of `trajflow deploy` (flows/deploy.py)."""
+    parser.description = ("Set up a Prefect server for trajflow: work pools, the deployments of prefect.yaml (incl. "
+                          "the trigger that runs a crashed training run again) and the automation that marks a run "
+                          "whose heartbeats stopped Crashed. Safe to run again.")
+    parser.add_argument("--file", default=None, help="the prefect.yaml to deploy (default: the checkout's)")
+    parser.add_argument("--home", default=None,
+                        help="the checkout's path on the worker hosts (default: $TRAJFLOW_HOME, else --file's folder)")
+    parser.add_argument("--gpu-slots", type=int, default=1, metavar="N",
+                        help="GPU updates at a time, when the `gpu` concurrency limit does not exist yet (default 1)")
+    parser.add_argument("--silent-after-s", type=float, default=None, metavar="S",
+                        help="mark a run Crashed after S s without a heartbeat (default: 3 heartbeat intervals)")
     return parser

@@ -1,4 +1,5 @@
-"""The `trajflow` command: `train` and `eval` run the flows, `config show` prints a config; other areas add their own.
+"""The `trajflow` command: `train` and `eval` run the flows, `deploy` sets up a Prefect server, `config show` prints
+a config; other areas add their own.
 
 Building the parser stays light (argparse only): a flow, and everything it imports, loads when its command runs.
 `python -m flows.train` and `python -m flows.evaluate` take the same arguments (flows/arguments.py).
@@ -10,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from flows.arguments import config_show_parser, eval_parser, train_parser
+from flows.arguments import config_show_parser, deploy_parser, eval_parser, train_parser
 
 # module -> what it adds: backends (serve, backend serve), storage (runs)
 _COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli")
@@ -28,6 +29,12 @@ def _run_eval(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _run_deploy(args: argparse.Namespace) -> int:
+    from flows.deploy import run_command
+
+    return run_command(args)
+
+
 def _run_config_show(args: argparse.Namespace) -> int:
     from flows.config_show import run_command
 
@@ -40,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_parser(sub.add_parser("train", help="train an agent (resumes a stored run)")).set_defaults(func=_run_train)
     eval_parser(sub.add_parser("eval", help="evaluate policies on the validation split")).set_defaults(func=_run_eval)
+    deploy_parser(sub.add_parser("deploy", help="set up a Prefect server: pools, deployments, crash automations")
+                  ).set_defaults(func=_run_deploy)
     config = sub.add_parser("config", help="show the effective config with each field's description",
                             description="Work with RunConfig files.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

@@ -17,6 +17,7 @@
                                      eval/<NNNN>.parquet, eval.parquet   validation rollouts and their scores
                                      logs/<split>.parquet  trajectories an ART-style script logged
 <root>/<project>/<run>/judge-cache/<hash>.json           judge verdicts by content hash
+<root>/<project>/<run>/recoveries/<flow run id>.json      a crashed flow run of a deployment and what `recover` did
 <root>/<project>/<run>/evaluations/<stamp>/...           `trajflow eval` rollouts; <stamp>.json, <stamp>.png
 <root>/<project>/<run>/prefect-results/                  Prefect's cache records for the run's tasks
 <root>/<project>/<run>/reward_curve.png                  train and validation reward per committed step
@@ -55,6 +56,7 @@ LOGS_DIR = "logs"
 
 # inside a run
 JUDGE_CACHE_DIR = "judge-cache"
+RECOVERIES_DIR = "recoveries"
 EVALUATIONS_DIR = "evaluations"
 PREFECT_RESULTS_DIR = "prefect-results"
 REWARD_CURVE = "reward_curve.png"
@@ -78,6 +80,11 @@ def logged_split(split: str) -> str:
 
 def judge_cache_file(key: str) -> str:
     return f"{JUDGE_CACHE_DIR}/{key}.json"
+
+
+def recovery_file(flow_run_id: str) -> str:
+    """``recoveries/<flow run id>.json``: the recovery record of one crashed flow run (one per run: created once)."""
+    return f"{RECOVERIES_DIR}/{validate_name('flow run id', flow_run_id)}.json"
 
 
 def evaluation_dir(stamp: str, label: str) -> str:

@@ -44,16 +44,16 @@ class CountingProxy:
     """Forwards every request to `target` and records the JSON body of each chat completion.
 
     `hold_rollouts_after(model, n)` answers the first n rollout requests for `model` and leaves later
-    ones unanswered until `reset()`, so a kill after the first stored group finds the others in flight
-    (without it, fast rollouts and slow storage writes let every group land before the kill).
+    ones unanswered until `release(model)` or `reset()`, so a kill after the first stored group finds the others
+    in flight (without it, fast rollouts and slow storage writes let every group land before the kill). Holds of
+    different models are independent: runs of several tests may share the proxy at once.
     """
 
     def __init__(self, target: str):
         self.target = target.rstrip("/")
         self.chat_bodies: list[dict] = []
         self._lock = threading.Lock()
-        self._hold: tuple[str, int] | None = None  # (model, rollout requests still answered)
-        self._release = threading.Event()
+        self._holds: dict[str, tuple[int, threading.Event]] = {}  # model -> (requests still answered, release)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,8 +61,9 @@ class CountingProxy:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
                 if method == "POST" and self.path.rstrip("/").endswith("/chat/completions"):
-                    if proxy._record(json.loads(body)):
-                        return self._held()
+                    release = proxy._record(json.loads(body))
+                    if release is not None:
+                        return self._held(release)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
                 resp = httpx.request(method, proxy.target + self.path, content=body, headers=headers, timeout=120)
                 self.send_response(resp.status_code)
@@ -73,17 +74,17 @@ class CountingProxy:
                 self.end_headers()
                 self.wfile.write(resp.content)
 
-            def _held(self) -> None:
-                proxy._wait_for_release()
+            def _held(self, release: threading.Event) -> None:
+                release.wait(timeout=900)
                 try:  # the client was usually killed meanwhile
                     self.send_error(503, "held by the test")
                 except OSError:
                     pass
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 self._forward("GET")
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 self._forward("POST")
 
             def log_message(self, *args):
@@ -93,34 +94,37 @@ class CountingProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _record(self, body: dict) -> bool:
-        """Record a chat request; True if it must be held."""
+    def _record(self, body: dict) -> threading.Event | None:
+        """Record a chat request; the event to wait for when it must be held, else None."""
         with self._lock:
             self.chat_bodies.append(body)
-            if self._hold is None or not _is_rollout(body, self._hold[0]):
-                return False
-            model, left = self._hold
+            model = body.get("model")
+            if model not in self._holds or not _is_rollout(body, model):
+                return None
+            left, release = self._holds[model]
             if left > 0:
-                self._hold = (model, left - 1)
-                return False
-            return True
-
-    def _wait_for_release(self) -> None:
-        with self._lock:
-            release = self._release
-        release.wait(timeout=900)
+                self._holds[model] = (left - 1, release)
+                return None
+            return release
 
     def hold_rollouts_after(self, model: str, count: int) -> None:
         with self._lock:
-            self._hold = (model, count)
+            self._holds[model] = (count, threading.Event())
+
+    def release(self, model: str) -> None:
+        """End the hold of `model`: its held requests get a 503, later ones go through."""
+        with self._lock:
+            hold = self._holds.pop(model, None)
+        if hold is not None:
+            hold[1].set()
 
     def reset(self) -> None:
-        """Forget recorded requests and the hold; held requests get a 503."""
+        """Forget recorded requests and every hold; held requests get a 503."""
         with self._lock:
             self.chat_bodies.clear()
-            self._hold = None
-            release, self._release = self._release, threading.Event()
-        release.set()
+            holds, self._holds = self._holds, {}
+        for _, release in holds.values():
+            release.set()
 
     def rollout_requests(self, model: str) -> list[dict]:
         """Chat requests for `model` that are rollouts (not publish probes)."""

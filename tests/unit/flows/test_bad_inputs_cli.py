@@ -68,6 +68,18 @@ CASES = [
      "eval_scenaros: unknown key; did you mean eval_scenarios?"),
     ("config show unknown key", ["config", "show", "--set", "inference.devise=cpu"], 2,
      "inference.devise: unknown key; did you mean inference.device?"),
+    ("deploy gpu slots", ["deploy", "--gpu-slots", "0"], 2, "--gpu-slots must be at least 1, got 0"),
+    ("deploy silent too short", ["deploy", "--silent-after-s", "20"], 2,
+     "--silent-after-s 20 must be longer than the longest heartbeat interval of the deployments (30 s)"),
+    ("deploy file missing", ["deploy", "--file", "{tmp}/missing.yaml"], 2,
+     "cannot read {tmp}/missing.yaml: No such file or directory"),
+    ("deploy file not YAML", ["deploy", "--file", "{tmp}/bad.yaml"], 2, "{tmp}/bad.yaml is not valid YAML"),
+    ("deploy file without deployments", ["deploy", "--file", "{tmp}/list.yaml"], 2,
+     "{tmp}/list.yaml has no `deployments:` list of mappings"),
+    ("deploy heartbeat Prefect refuses", ["deploy", "--file", "{tmp}/heartbeat.yaml"], 2,
+     "deployment 'fast': PREFECT_FLOWS_HEARTBEAT_FREQUENCY='5' is not accepted by Prefect"),
+    ("deploy home relative", ["deploy", "--home", "checkout"], 2,
+     "TRAJFLOW_HOME must be an absolute path (the checkout on the worker hosts), got 'checkout'"),
 ]
 
 
@@ -78,6 +90,8 @@ def inputs(tmp_path):
     (tmp_path / "list.yaml").write_text("- a list\n- not a mapping\n")
     (tmp_path / "bad.yaml").write_text("steps: [1, 2\n")
     (tmp_path / "dotted.yaml").write_text("trainer.lora_rank: 4\n")
+    (tmp_path / "heartbeat.yaml").write_text(
+        "deployments:\n- {name: fast, work_pool: {name: p, job_variables: {env: {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: '5'}}}}\n")
     stored = load_config(TINY, [f"storage={tmp_path / 'runs'}", "group_size=9"])
     RunStore(stored.storage, stored.project, stored.run).write_run_config(stored.model_dump(mode="json"))
     return tmp_path
@@ -132,3 +146,16 @@ def test_the_mistake_is_found_before_prefect_starts_and_said_once(tmp_path):
     assert out.stdout == ""
     assert out.stderr.splitlines() == [
         f"trajflow train: error: storage '{blocker}/runs' cannot hold runs: {blocker} is a file, not a folder"]
+
+
+@pytest.mark.parametrize("url, text", [
+    ("", "PREFECT_API_URL is not set: deployments need a Prefect server that stays up"),
+    ("http://127.0.0.1:9/api", "PREFECT_API_URL is http://127.0.0.1:9/api but no Prefect server answers there"),
+], ids=["no server named", "server not answering"])
+def test_deploy_needs_a_prefect_server(url, text, capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        status = main(["deploy"])
+    out, err = capsys.readouterr()
+    _check_one_line_errors(status, out, err, "deploy", 1, text)
