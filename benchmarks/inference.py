@@ -202,6 +202,38 @@ def graph_step_times(engine, length: int, lora: bool) -> dict:
     return out
 
 
+def decode_kernel_profile(engine, length: int, lora: bool, top: int = 12) -> dict:
+    """What one decode step at batch 1 launches: the same step as the graph (``DecodeStep._body``), run eagerly under
+    torch.profiler. Kernels per step and their summed device time; the ops launching the most kernels. A captured
+    graph replays these kernels back to back, so at batch 1 its time is about kernels x (launch gap + kernel time)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step = engine.step
+    host = step.host.numpy()
+    host[:] = 0
+    host[2, :] = 0 if lora else -1
+    host[3, :] = 1
+    host[4, :] = 1
+    step.dev.copy_(step.host)
+    for _ in range(3):
+        step._body(1, length, lora, False)
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            step._body(1, length, lora, False)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = collections.Counter(e.name for e in kernels)
+    kernel_us = sum(e.time_range.elapsed_us() for e in kernels) / reps
+    return {"kernels_per_step": round(len(kernels) / reps, 1), "kernel_time_ms": round(kernel_us / 1000, 4),
+            "kernels_per_layer": round(len(kernels) / reps / len(engine.runner.layers), 2),
+            "top_kernels_per_step": {name[:90]: round(n / reps, 1) for name, n in by_name.most_common(top)}}
+
+
 def correctness_check(device: str) -> dict:
     """On `device` (CUDA graphs on there): tiny-random fp32 with a random LoRA, base and adapter rows mixed in one
     batch, n=2; the engine's logprobs against a teacher-forced HF/peft forward, and seeded tokens alone vs in a crowd."""

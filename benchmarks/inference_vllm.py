@@ -56,7 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.inference import QWEN05_SHAPE, graph_step_times, hardware, random_lora, versions
+from benchmarks.inference import QWEN05_SHAPE, decode_kernel_profile, graph_step_times, hardware, random_lora, versions
 
 SERVED = "base"
 ADAPTER = "policy@1"
@@ -333,6 +333,11 @@ def embedded_decode_step(folder: Path, adapter: Path, device: str, load: Load, m
             span = engine.step.bucket(1, load.prompt_tokens + load.new_tokens)[1]
             out["graph_replay_ms"] = graph_step_times(engine, span, lora=True)
             out["graph_replay_attention_length"] = span
+            for lora in (True, False):
+                try:
+                    out[f"profile_{'lora' if lora else 'base'}"] = decode_kernel_profile(engine, span, lora=lora)
+                except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the run's figures
+                    out[f"profile_{'lora' if lora else 'base'}"] = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         engine.shutdown()
         del engine

@@ -46,20 +46,23 @@ class ProjGroup:
         else:
             self.parts = [(lin.weight.detach(), None if lin.bias is None else lin.bias.detach()) for lin in linears]
 
-    def fused_output(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, out_1 + … + out_M] of a fused group, plus the LoRA `lora` delta (see LoraSlots.delta)."""
-        y = F.linear(x, self.weight, self.bias)
-        if lora is not None:
-            y.add_(lora)
-        return y
+    @property
+    def one_matmul(self) -> bool:
+        """Whether the group's output is one tensor [N, out_1 + … + out_M] (fused, or a single member)."""
+        return self.fused or len(self.parts) == 1
 
-    def __call__(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Outputs of each member for rows `x` [N, in]."""
-        if self.fused:
-            return list(self.fused_output(x, lora).split(self.out_sizes, dim=-1))
+    def output(self, x: torch.Tensor, add_lora=None) -> torch.Tensor:
+        """[N, out_1 + … + out_M] of a one-matmul group; `add_lora(y)` adds the LoRA delta in place."""
+        y = F.linear(x, self.weight, self.bias) if self.fused else F.linear(x, *self.parts[0])
+        return y if add_lora is None else add_lora(y)
+
+    def __call__(self, x: torch.Tensor, add_lora=None, delta=None) -> list[torch.Tensor]:
+        """Outputs of each member for rows `x` [N, in]; LoRA as `add_lora(y)` (one-matmul groups) or `delta()`."""
+        if self.one_matmul:
+            return list(self.output(x, add_lora).split(self.out_sizes, dim=-1))
         outs = [F.linear(x, w, b) for w, b in self.parts]
-        if lora is not None:
-            outs = [o + d for o, d in zip(outs, lora.split(self.out_sizes, dim=-1))]
+        if delta is not None:
+            outs = [o + d for o, d in zip(outs, delta().split(self.out_sizes, dim=-1))]
         return outs
 
 
@@ -91,9 +94,16 @@ def rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.T
     return weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == x.roll(D/2, -1) * signed_sin(sin)``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` written as a roll
+    times a pre-signed sin: three kernels (mul, roll, addcmul) where the literal form takes five."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def unwrap_causal_lm(model):
@@ -146,15 +156,19 @@ class DecoderRunner:
         with torch.no_grad():
             dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = model.model.rotary_emb(dummy, positions)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
+        self.cos = cos[0].to(self.dtype)  # [max_len, head_dim]
+        self.sin = signed_sin(sin[0].to(self.dtype))  # pre-signed for rope()
         self.kv, self.lora = kv, lora
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
+    def _lora_args(self, layer: int, group: str, x: torch.Tensor, masks) -> dict:
+        """How `group` takes its LoRA term for rows `x`: added in place by one GEMM, or as a delta (unfused)."""
+        if masks is None:
+            return {}
+        return {"add_lora": lambda y: self.lora.add_delta_(layer, group, x, masks, y),
+                "delta": lambda: self.lora.delta(layer, group, x, masks)}
 
     def _project(self, layer: int, group: str, x: torch.Tensor, masks) -> list[torch.Tensor]:
-        lora = None if masks is None else self.lora.delta(layer, group, x, masks)
-        return self.layers[layer].groups[group](x, lora)
+        return self.layers[layer].groups[group](x, **self._lora_args(layer, group, x, masks))
 
     def _mlp(self, i: int, x: torch.Tensor, masks) -> torch.Tensor:
         layer = self.layers[i]
@@ -168,17 +182,17 @@ class DecoderRunner:
         layer = self.layers[i]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         group = layer.groups["qkv"]
-        lora = None if masks is None else self.lora.delta(i, "qkv", h, masks)
+        lora = self._lora_args(i, "qkv", h, masks)
         if group.fused and layer.q_norm is None:
             # q and k are adjacent columns of the fused output: rotate them with one set of kernels
-            y = group.fused_output(h, lora)
-            qk = self._rope(y[..., : (heads + kv_heads) * d].view(*shape, heads + kv_heads, d), cos, sin)
+            y = group.output(h, lora.get("add_lora"))
+            qk = rope(y[..., : (heads + kv_heads) * d].view(*shape, heads + kv_heads, d), cos, sin)
             return qk[..., :heads, :], qk[..., heads:, :], y[..., (heads + kv_heads) * d :].view(*shape, kv_heads, d)
-        q, k, v = group(h, lora)
+        q, k, v = group(h, **lora)
         q, k, v = q.view(*shape, heads, d), k.view(*shape, kv_heads, d), v.view(*shape, kv_heads, d)
         if layer.q_norm is not None:
             q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_fp32(rms_norm(x, self.final_norm), self.lm_head)

@@ -6,18 +6,20 @@ with ``M`` members, the adapters in slots ``0..S-1`` are stacked into two matric
 
     A_g: [in, S*M*R]            B_g: [S*M*R, out_1 + … + out_M]   (scale = lora_alpha / r folded into B_g)
     h = where(mask, x @ A_g, 0),   mask[row, col] = (col belongs to the slot of row's adapter)
-    delta(x) = where(row has an adapter, h @ B_g, 0)
+    delta(x) = h @ B_g,            added to the base output by one GEMM (``y.addmm_(h, B_g)``)
 
-so a mixed batch costs two small matmuls per group and no gathers, and the shapes stay static (CUDA-graph
-friendly). Eagerly (CPU) only the columns of slots up to the highest slot in use are touched. ``R`` starts at the
+so a mixed batch costs two small matmuls and one select per group and no gathers, and the shapes stay static
+(CUDA-graph friendly): three kernels a group, where the base projection has one, so at batch 1 (where a decode step
+is kernel launches, not arithmetic) they are what a LoRA step costs. Eagerly (CPU) only the columns of slots up to the highest slot in use are touched. ``R`` starts at the
 first adapter's rank rounded up to a power of two and grows (the stacks are reallocated, and ``generation`` changes
 so captured graphs are dropped) when a larger one arrives.
 
 Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``) rather than
-multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN); a row
-without an adapter takes no LoRA term at all. ``h @ B_g`` still sums over every slot's rows of ``B_g`` (with zeros
-in ``h``), so a non-finite ``B_g`` would reach rows of other adapters: an adapter is therefore written into a slot
-only when its A and scaled B are finite in the serving dtype (`adapters.read_adapter` refuses the others at load).
+multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN). A row
+without an adapter has no column selected, so its ``h`` is all zeros and its delta exactly zero. ``h @ B_g`` still
+sums over every slot's rows of ``B_g`` (with zeros in ``h``), so a non-finite ``B_g`` would reach rows of other
+adapters (and rows without one): an adapter is therefore written into a slot only when its A and scaled B are finite
+in the serving dtype (`adapters.read_adapter` refuses the others at load).
 
 Slots: ``max_loras`` of them; an adapter is placed in a slot when a request for it is admitted, stays there while
 requests use it, and the least recently used unused slot is reused when another adapter needs room (vLLM's
@@ -42,11 +44,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 class RowMasks(NamedTuple):
-    """Which LoRA columns each row reads (`cols[M]`: [rows, slots*M*R] bool, per member count M), and which rows
-    have an adapter at all (`rows`: [rows, 1] bool)."""
+    """Which LoRA columns each row reads: `cols[M]`, [rows, slots*M*R] bool, per member count M (none for a row
+    without an adapter)."""
 
     cols: dict[int, torch.Tensor]
-    rows: torch.Tensor
 
 
 class LoraSlots:
@@ -169,12 +170,20 @@ class LoraSlots:
         """The masks of rows whose adapters sit in `row_slot` (-1: none), over the first `num_slots` slots."""
         n = self.num_slots if num_slots is None else num_slots
         cols = {m: cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
-        return RowMasks(cols, (row_slot >= 0).unsqueeze(1))
+        return RowMasks(cols)
+
+    def _selected(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> tuple[torch.Tensor, int]:
+        mask = masks.cols[len(GROUPS[group])]
+        cols = mask.shape[1]
+        return torch.where(mask, x @ self.A[layer][group][:, :cols], 0), cols
 
     def delta(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> torch.Tensor:
         """The LoRA contribution of `group` at `layer` for rows `x` [N, in]: [N, out_1 + … + out_M], each row from
         its own adapter only (module docstring)."""
-        mask = masks.cols[len(GROUPS[group])]
-        cols = mask.shape[1]
-        h = torch.where(mask, x @ self.A[layer][group][:, :cols], 0)
-        return torch.where(masks.rows, h @ self.B[layer][group][:cols], 0)
+        h, cols = self._selected(layer, group, x, masks)
+        return h @ self.B[layer][group][:cols]
+
+    def add_delta_(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks, y: torch.Tensor) -> torch.Tensor:
+        """``y += delta(x)`` in one GEMM (no delta tensor, no separate add); `y` is the group's base output."""
+        h, cols = self._selected(layer, group, x, masks)
+        return y.addmm_(h, self.B[layer][group][:cols])

@@ -72,11 +72,12 @@ def _poison_slot(engine: Engine, uid: int, parts: str) -> None:
                     slots.B[layer][group][cols] = float("nan")
 
 
-@pytest.mark.parametrize("parts", ["A", "AB"])
+@pytest.mark.parametrize("parts", ["A"])
 async def test_a_non_finite_slot_never_reaches_other_rows(two_slot_engine, tiny_hf, random_adapter,
                                                           distinct_adapters, parts):
-    """NaN in a slot's A reaches no other row; NaN in its B (which the slot never accepts, see
-    test_a_slot_refuses_non_finite_weights) still reaches no row without an adapter."""
+    """NaN in a slot's A reaches no other row. NaN in its B would reach every row of the batch (``h @ B`` sums over
+    all slots' rows of B, with zeros in h): the slot refuses such weights at load, test_a_slot_refuses_non_finite_
+    weights; one GEMM per group instead of a masked delta and an add is what that check buys."""
     engine, prompt = two_slot_engine, _prompt(tiny_hf[1])
     engine.load_adapter("good@1", str(random_adapter[0]))
     bad = engine.load_adapter("bad@1", str(distinct_adapters[0][0]))
@@ -91,8 +92,7 @@ async def test_a_non_finite_slot_never_reaches_other_rows(two_slot_engine, tiny_
     assert not torch.isfinite(torch.tensor(poisoned.logprobs)).all()  # the poison is live in that batch
     assert base.token_ids == base_alone.token_ids
     torch.testing.assert_close(torch.tensor(base.logprobs), torch.tensor(base_alone.logprobs))
-    if parts == "A":
-        _assert_matches(random_adapter[1], prompt, good)
+    _assert_matches(random_adapter[1], prompt, good)
 
 
 def test_a_slot_refuses_non_finite_weights(two_slot_engine):
