@@ -144,7 +144,8 @@ class EmbeddedServer:
         self.log = log
         cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", str(folder), "--device", device,
                "--port", str(self.port), "--served-name", SERVED, "--max-batch-size", str(max_batch),
-               "--max-seq-len", str(max_seq_len), "--max-loras", "4"]
+               "--max-seq-len", str(max_seq_len), "--max-loras", "4",
+               "--adapter-root", str(folder.parent)]  # the run's folder holds the model and the adapter
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.command = " ".join(cmd)
         with open(log, "ab") as out:

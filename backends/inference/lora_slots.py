@@ -5,7 +5,7 @@ with ``M`` members, the adapters in slots ``0..S-1`` are stacked into two matric
 (slot, member, rank), ranks zero-padded to a common ``R``:
 
     A_g: [in, S*M*R]            B_g: [S*M*R, out_1 + … + out_M]   (scale = lora_alpha / r folded into B_g)
-    h = where(mask, x @ A_g, 0),   mask[row, col] = (col belongs to the slot of row's adapter)
+    h = where(mask, x @ A_g, 0),   mask[row, col] = (col belongs to the slot of row's adapter)  (a masked_fill_)
     delta(x) = h @ B_g,            added to the base output by one GEMM (``y.addmm_(h, B_g)``)
 
 so a mixed batch costs two small matmuls and one select per group and no gathers, and the shapes stay static
@@ -14,7 +14,7 @@ is kernel launches, not arithmetic) they are what a LoRA step costs. Eagerly (CP
 first adapter's rank rounded up to a power of two and grows (the stacks are reallocated, and ``generation`` changes
 so captured graphs are dropped) when a larger one arrives.
 
-Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``) rather than
+Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``/``masked_fill``) rather than
 multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN). A row
 without an adapter has no column selected, so its ``h`` is all zeros and its delta exactly zero. ``h @ B_g`` still
 sums over every slot's rows of ``B_g`` (with zeros in ``h``), so a non-finite ``B_g`` would reach rows of other
@@ -44,10 +44,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 class RowMasks(NamedTuple):
-    """Which LoRA columns each row reads: `cols[M]`, [rows, slots*M*R] bool, per member count M (none for a row
-    without an adapter)."""
+    """Which LoRA columns each row does NOT read: `off[M]`, [rows, slots*M*R] bool, per member count M (all of them
+    for a row without an adapter). Inverted once per step so each group clears them with one masked_fill_ (a
+    ``where`` with a scalar would also launch a fill kernel for the scalar)."""
 
-    cols: dict[int, torch.Tensor]
+    off: dict[int, torch.Tensor]
 
 
 class LoraSlots:
@@ -169,13 +170,13 @@ class LoraSlots:
     def row_masks(self, row_slot: torch.Tensor, num_slots: int | None = None) -> RowMasks:
         """The masks of rows whose adapters sit in `row_slot` (-1: none), over the first `num_slots` slots."""
         n = self.num_slots if num_slots is None else num_slots
-        cols = {m: cs[: n * m * self.rank].unsqueeze(0) == row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
-        return RowMasks(cols)
+        off = {m: cs[: n * m * self.rank].unsqueeze(0) != row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
+        return RowMasks(off)
 
     def _selected(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> tuple[torch.Tensor, int]:
-        mask = masks.cols[len(GROUPS[group])]
-        cols = mask.shape[1]
-        return torch.where(mask, x @ self.A[layer][group][:, :cols], 0), cols
+        off = masks.off[len(GROUPS[group])]
+        cols = off.shape[1]
+        return (x @ self.A[layer][group][:, :cols]).masked_fill_(off, 0), cols
 
     def delta(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> torch.Tensor:
         """The LoRA contribution of `group` at `layer` for rows `x` [N, in]: [N, out_1 + … + out_M], each row from
