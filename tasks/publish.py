@@ -34,7 +34,8 @@ async def ensure_served(rt: Runtime, step: int) -> None:
 async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> dict[str, float]:
     cfg = rt.config
     # Without a probe record, a trainer in this process (training.mode=local) gives the stronger check.
-    trainer = (lambda: rt.trainer_at(step)) if cfg.training.mode == "local" else None
+    in_process = cfg.training.mode == "local" and cfg.training.gpus == 1
+    trainer = (lambda: rt.trainer_at(step)) if in_process else None
     client = rt.client()
     try:
         return await publish_step(rt.store, rt.inference_client(), client, cfg.project, cfg.run, step, training,

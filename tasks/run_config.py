@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agents.judge import JudgeConfig
 from agents.model import policy_name
 from agents.rewards import RewardConfig
+from backends.modeling.devices import check_device_spelling
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
 from tasks.config_errors import ConfigError, describe
@@ -108,8 +109,22 @@ class TrainingPlacement(BaseModel):
     )
     deployment: str = Field(default="train-step/gpu",
                             description="`<flow>/<deployment>` name used when `mode=deployment`")
-    device: str = Field(default="auto", description="training device for local mode: auto, cpu, cuda, cuda:1")
+    device: str = Field(
+        default="auto",
+        description="training device: auto, cpu, cuda or cuda:K. With gpus N > 1, the first of N consecutive GPUs "
+        "(cuda:1 and gpus 3: GPUs 1, 2, 3), or N processes on the CPU (gloo; for tests, never faster). Another GPU "
+        "than inference.device keeps rollouts and the update out of each other's memory")
+    gpus: int = Field(
+        default=1, ge=1,
+        description="processes (GPUs) of the GRPO update: N > 1 runs it data-parallel under torchrun (rows split by "
+        "tokens, LoRA gradients summed; the same update as one process up to rounding), in either mode. More GPUs "
+        "shorten the update, not the rollouts")
     timeout_s: float = Field(default=3600.0, description="how long to wait for a remote training run")
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, value: str) -> str:
+        return check_device_spelling(value)
 
 
 class RunConfig(BaseModel):

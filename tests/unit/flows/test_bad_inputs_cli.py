@@ -66,6 +66,10 @@ CASES = [
      "only adapters of run 'tiny' can be loaded by this config"),
     ("eval unknown key", ["eval", "--set", "eval_scenaros=2"], 2,
      "eval_scenaros: unknown key; did you mean eval_scenarios?"),
+    ("training device misspelled", ["train", "--set", "training.device=gpu1"], 2,
+     "training.device: expected auto, cpu, cuda or cuda:K (K a GPU index), got 'gpu1'"),
+    ("training gpus zero", ["train", "--set", "training.gpus=0"], 2,
+     "training.gpus: input should be greater than or equal to 1, got 0"),
     ("config show unknown key", ["config", "show", "--set", "inference.devise=cpu"], 2,
      "inference.devise: unknown key; did you mean inference.device?"),
 ]
