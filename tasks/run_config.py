@@ -38,7 +38,11 @@ class InferenceConfig(BaseModel):
     url: str | None = Field(default=None, description="base URL (`…/v1`) when `backend=url`")
     api_key_env: str = Field(default="TRAJFLOW_INFERENCE_API_KEY",
                              description="env var holding the server's API key; never put the key itself in config")
-    device: str = Field(default="auto", description="device for the embedded server: auto (cuda if present), cpu, cuda")
+    device: str = Field(
+        default="auto",
+        description="device of the server we start: auto (cuda:0 if present, else cpu), cpu, cuda or cuda:K. Another "
+        "GPU than training.device (e.g. cuda:0 here, cuda:1 there) keeps rollouts and the update out of each other's "
+        "memory; vLLM gets it as CUDA_VISIBLE_DEVICES")
     host: str = Field(default="127.0.0.1", description="bind address of a server we start; loopback unless told")
     port: int = Field(default=0, description="port of a server we start; 0 picks a free one")
     max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
@@ -60,6 +64,11 @@ class InferenceConfig(BaseModel):
         "flow's PYTHONPATH); a list names variables that must be set in the flow's environment (credentials: their "
         "values stay out of the config, and names that look secret are never logged)",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, value: str) -> str:
+        return check_device_spelling(value)
 
     @field_validator("vllm_command")
     @classmethod

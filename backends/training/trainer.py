@@ -276,6 +276,12 @@ class GRPOTrainer:
     # --- the step --------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         """ONE optimizer step over every trainable row of ``groups``; returns the step's metrics."""
+        # On cuda:K, K > 0 (inference on another GPU of the machine), compiled kernels and streams follow the current
+        # device, which is cuda:0 in a thread that never chose one.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._train_step(groups)
+
+    def _train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         cfg = self.config
         start = time.perf_counter()
         if self.device.type == "cuda":

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.run_config import RunConfig
+from tasks.support.placement import cuda_visible, devices
 from tasks.support.retry_policy import TransientError, is_transient
 
 log = logging.getLogger("trajflow")
@@ -46,23 +47,16 @@ class RankLostError(TransientError):
 
 
 def rank_devices(device: str, gpus: int, visible: str | None) -> tuple[str, str | None]:
-    """(the device the ranks train on, CUDA_VISIBLE_DEVICES for the job) for `gpus` processes from `device`.
-
-    'cpu': N processes on the CPU, nothing to make visible. 'cuda' / 'cuda:K': the GPUs K..K+N-1 of this process
-    (K=0 for 'cuda'), named through this process's own CUDA_VISIBLE_DEVICES (`visible`) when it has one, so rank r
-    finds its GPU at cuda:r.
-    """
+    """(the device the ranks train on, CUDA_VISIBLE_DEVICES for the job) for `gpus` processes from `device`
+    (resolved: 'cpu', 'cuda' or 'cuda:K'): the CPU, or the GPUs K..K+N-1 of this process
+    (``tasks/support/placement.py``), which rank r then finds at cuda:r."""
     if device == "cpu":
         return "cpu", None
-    first = int(device.partition(":")[2] or 0)
-    wanted = list(range(first, first + gpus))
-    if visible is not None and visible.strip():
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if wanted[-1] >= len(ids):
-            raise ValueError(f"training.gpus={gpus} from {device} needs GPUs {first}..{wanted[-1]}, but "
-                             f"CUDA_VISIBLE_DEVICES={visible!r} shows {len(ids)}")
-        return "cuda", ",".join(ids[i] for i in wanted)
-    return "cuda", ",".join(str(i) for i in wanted)
+    placed = devices(device, gpus, gpus_visible=1)
+    try:
+        return "cuda", cuda_visible(placed, visible)
+    except ValueError as exc:
+        raise ValueError(f"training.gpus={gpus} from {device} needs GPUs {placed[0]}..{placed[-1]}: {exc}") from None
 
 
 def torchrun_argv(processes: int, config_file: Path, step: int, records: Path) -> list[str]:

@@ -60,7 +60,7 @@ class Runtime:
                 from backends.serving.vllm import VLLMServer
                 from tasks.support.vllm_launch import vllm_config
 
-                server = VLLMServer(vllm_config(self.config, self.api_key))
+                server = VLLMServer(vllm_config(self.config, self.api_key, device=resolve_device(inf.device)))
                 server.start()
                 self._server = server
                 self.base_url = server.base_url

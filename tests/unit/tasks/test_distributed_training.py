@@ -14,8 +14,8 @@ def test_ranks_get_consecutive_gpus_through_the_visible_ones():
     assert rank_devices("cuda", 2, None) == ("cuda", "0,1")
     assert rank_devices("cuda:1", 3, None) == ("cuda", "1,2,3")  # inference on cuda:0, training on the rest
     assert rank_devices("cuda:1", 2, "4,5,6") == ("cuda", "5,6")  # this process's cuda:1 is the machine's GPU 5
-    with pytest.raises(ValueError, match=r"training.gpus=2 from cuda:1 needs GPUs 1..2, but CUDA_VISIBLE_DEVICES="
-                                         r"'3,4' shows 2"):
+    with pytest.raises(ValueError, match=r"training.gpus=2 from cuda:1 needs GPUs cuda:1..cuda:2: cuda:1, cuda:2: "
+                                         r"CUDA_VISIBLE_DEVICES='3,4' shows 2 GPU"):
         rank_devices("cuda:1", 2, "3,4")
 
 
