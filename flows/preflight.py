@@ -31,7 +31,7 @@ from storage.lease import RunLease
 from storage.store import RunStore
 from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, check_run_identity, load_config
-from tasks.support.placement import placement_problems
+from tasks.support.placement import placement_problems, visible_gpus
 
 USAGE_EXIT = 2
 
@@ -123,15 +123,6 @@ def check_run(config: RunConfig) -> None:
     problems = placement_problems(config, visible_gpus(config))
     if problems:
         raise CommandError(problems, USAGE_EXIT)
-
-
-def visible_gpus(config: RunConfig) -> int:
-    """How many GPUs this process sees; 0 without asking torch when the config names no CUDA device."""
-    if not any(d.startswith("cuda") for d in (config.inference.device, config.training.device)):
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def check_prefect_api() -> None:

@@ -35,7 +35,7 @@ from flows.arguments import train_parser
 from flows.command import run_flow_command
 from flows.console import announce_flow_run
 from flows.deployment_defaults import with_deployment_defaults
-from flows.preflight import check_run, visible_gpus
+from flows.preflight import check_run
 from flows.summary import json_result, train_summary
 from storage.lease import RunLease
 from tasks.evaluation import evaluate_policy
@@ -46,6 +46,7 @@ from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.support.crash_points import crash_point
 from tasks.support.placement import describe as describe_placement
+from tasks.support.placement import visible_gpus
 from tasks.support.preemption import graceful_sigterm, stop_if_requested
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agents.judge import JudgeConfig
 from agents.model import policy_name
@@ -45,6 +45,11 @@ class InferenceConfig(BaseModel):
         "memory; vLLM gets it as CUDA_VISIBLE_DEVICES")
     host: str = Field(default="127.0.0.1", description="bind address of a server we start; loopback unless told")
     port: int = Field(default=0, description="port of a server we start; 0 picks a free one")
+    replicas: int = Field(
+        default=1, ge=1,
+        description="servers we start, one per device from `device` on (cuda:0 and 2: GPUs 0 and 1); the policy client "
+        "sends each rollout to one of them (the least busy; all turns of a rollout to the same one) and each publish "
+        "loads and probes the adapter on every one. More replicas shorten rollouts, not the update")
     max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
     gpu_memory_utilization: float = Field(default=0.6, description="vLLM: share of GPU memory it may take")
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
@@ -69,6 +74,13 @@ class InferenceConfig(BaseModel):
     @classmethod
     def _device_spelling(cls, value: str) -> str:
         return check_device_spelling(value)
+
+    @model_validator(mode="after")
+    def _replicas_are_ours(self) -> InferenceConfig:
+        if self.replicas > 1 and self.backend == "url":
+            raise ValueError(f"replicas={self.replicas} needs servers the run starts (backend embedded or vllm); "
+                             "backend=url attaches to one server")
+        return self
 
     @field_validator("vllm_command")
     @classmethod

@@ -17,6 +17,16 @@ from __future__ import annotations
 from tasks.run_config import RunConfig
 
 
+def visible_gpus(config: RunConfig | None = None) -> int:
+    """How many GPUs this process sees; 0 without importing torch when `config` names no CUDA device ('auto' always
+    resolves, so only an explicit 'cuda...' can name a GPU that is not there)."""
+    if config is not None and not any(d.startswith("cuda") for d in (config.inference.device, config.training.device)):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def devices(device: str, count: int, gpus_visible: int) -> list[str]:
     """The `count` devices setting `device` names (module docstring), given how many GPUs this process sees."""
     if device == "cpu" or (device == "auto" and gpus_visible == 0):
@@ -42,7 +52,7 @@ def placement(config: RunConfig, gpus_visible: int) -> dict[str, list[str]]:
     when the update runs as a deployment elsewhere)}."""
     inf, training = config.inference, config.training
     return {
-        "inference": devices(inf.device, 1, gpus_visible) if inf.backend != "url" else [],
+        "inference": devices(inf.device, inf.replicas, gpus_visible) if inf.backend != "url" else [],
         "training": devices(training.device, training.gpus, gpus_visible) if training.mode == "local" else [],
     }
 
@@ -50,7 +60,7 @@ def placement(config: RunConfig, gpus_visible: int) -> dict[str, list[str]]:
 def placement_problems(config: RunConfig, gpus_visible: int) -> list[str]:
     """One line per device the config names that this machine does not have."""
     problems = []
-    names = {"inference": ("inference.device", config.inference.device, "inference.replicas", 1),
+    names = {"inference": ("inference.device", config.inference.device, "inference.replicas", config.inference.replicas),
              "training": ("training.device", config.training.device, "training.gpus", config.training.gpus)}
     for stage, placed in placement(config, gpus_visible).items():
         missing = [d for d in placed if d.startswith("cuda") and int(d.partition(":")[2]) >= gpus_visible]

@@ -75,6 +75,8 @@ CASES = [
     ("training ranks on GPUs not here", ["train", TINY, "--set", "storage={tmp}/runs3", "--set",
      "training.device=cuda:1", "--set", "training.gpus=2"], 2,
      "training.device cuda:1 with training.gpus=2 needs cuda:1, cuda:2, but this machine shows 0 GPU(s)"),
+    ("replicas of a server we do not start", ["train", "--set", "inference.backend=url", "--set",
+     "inference.replicas=2"], 2, "inference: replicas=2 needs servers the run starts (backend embedded or vllm)"),
     ("training gpus zero", ["train", "--set", "training.gpus=0"], 2,
      "training.gpus: input should be greater than or equal to 1, got 0"),
     ("config show unknown key", ["config", "show", "--set", "inference.devise=cpu"], 2,
