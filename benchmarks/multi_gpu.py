@@ -241,25 +241,13 @@ def _mean(values: list[float]) -> float:
 
 
 def _environment(spec: dict) -> dict:
-    import platform
-
     import torch
-    import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()}
-    for name in ("peft", "pydantic"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            env[name] = None
+    from benchmarks.inference import hardware, versions
+
+    env = {**versions(), **hardware(spec["kind"])}
     if spec["kind"] == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
     return env
 
 
