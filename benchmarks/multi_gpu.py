@@ -258,7 +258,8 @@ def _script(spec: dict, deadline: float | None) -> list[str]:
 
 
 def _env(gpus: str | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    """This process's environment for a child: the repo first on its path, the rest kept (e.g. carried wheels')."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     return env

@@ -74,3 +74,12 @@ def test_a_timed_step_starts_only_if_it_should_end_within_the_budget(timed, dead
 
 def test_parts_are_run_in_their_order_once():
     assert multi_gpu.parse_parts("step, train,step") == ("train", "step")
+
+
+def test_children_keep_the_caller_s_path_and_environment(monkeypatch):
+    """On the GPU host pydantic comes from carried wheels on PYTHONPATH, and NCCL's settings from the environment."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    env = multi_gpu._env("1")
+    assert env["PYTHONPATH"].split(":") == [str(multi_gpu.REPO), "/tmp/site"]
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "1"
