@@ -49,6 +49,7 @@ class RolloutContext:
     observer: Callable[[CallRecord], None] | None = None
     calls: int = 0
     records: list[CallRecord] = field(default_factory=list)
+    replica: int | None = None  # the inference replica serving this rollout (agents/replica_router.py)
 
     def next_seed(self) -> int | None:
         if self.seed_material is None:
@@ -155,11 +156,17 @@ class PolicyTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def policy_client(base_url: str, api_key: str | None = None, timeout: float = 600.0, max_retries: int = 2,
-                  max_connections: int = 1024) -> AsyncOpenAI:
-    """An AsyncOpenAI for a policy server (embedded or vLLM) with the transport above."""
+def policy_client(base_url: str | list[str], api_key: str | None = None, timeout: float = 600.0,
+                  max_retries: int = 2, max_connections: int = 1024) -> AsyncOpenAI:
+    """An AsyncOpenAI for a policy server (embedded or vLLM) with the transport above; given several base URLs
+    (inference replicas), requests are spread over them by ``agents/replica_router.py``."""
+    from agents.replica_router import ReplicaRouter
+
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    http_client = httpx.AsyncClient(transport=PolicyTransport(httpx.AsyncHTTPTransport(limits=limits)),
-                                    timeout=timeout)
-    return AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", http_client=http_client,
+    inner: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
+    if len(urls) > 1:
+        inner = ReplicaRouter(urls, inner, rollout=current_rollout)
+    http_client = httpx.AsyncClient(transport=PolicyTransport(inner), timeout=timeout)
+    return AsyncOpenAI(base_url=urls[0], api_key=api_key or "EMPTY", http_client=http_client,
                        max_retries=max_retries, timeout=timeout)

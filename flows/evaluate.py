@@ -70,7 +70,8 @@ async def _evaluate_one(config: RunConfig, policy: dict[str, Any], stamp: str) -
         served = await rt.inference_client().models()
         model = next(m for m in served if "@" not in m)
     elif policy["kind"] == "adapter":
-        model, _ = await ensure_loaded(rt.store, rt.inference_client(), config.project, config.run, policy["step"])
+        for inference in rt.inference_clients():  # the rollouts may go to any replica
+            model, _ = await ensure_loaded(rt.store, inference, config.project, config.run, policy["step"])
     scenarios = val_scenarios(config)
     area = evaluation_dir(stamp, policy["label"])
     rollouts = await run_groups(config, 0, scenarios, model, area, 1, f"eval {policy['label']}", storage_step=None)

@@ -10,7 +10,9 @@ and again by Python. So the commands check, in this order and once each:
 3. a stored run of the same name was made with the same settings that define a run (``check_run_identity``),
    exit code 2, and no other live process holds the run's lease (storage/lease.py), exit code 1;
 4. a PREFECT_API_URL that is set answers Prefect's health check (else Prefect would retry, then fail mid-start).
-   Exit code 1.
+   Exit code 1;
+5. (in ``check_run``) the GPUs the config places inference and training on exist here
+   (``tasks/support/placement.py``), exit code 2, before a model loads onto a device that is not there.
 
 ``run_guarded`` prints a ``CommandError`` as ``<prog>: error: <line>`` lines on stderr, without a traceback.
 """
@@ -29,6 +31,7 @@ from storage.lease import RunLease
 from storage.store import RunStore
 from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, check_run_identity, load_config
+from tasks.support.placement import placement_problems, visible_gpus
 
 USAGE_EXIT = 2
 
@@ -117,6 +120,9 @@ def check_run(config: RunConfig) -> None:
         raise CommandError(str(exc), USAGE_EXIT) from None
     if holder is not None:
         raise CommandError(lease.held_message(holder))
+    problems = placement_problems(config, visible_gpus(config))
+    if problems:
+        raise CommandError(problems, USAGE_EXIT)
 
 
 def check_prefect_api() -> None:

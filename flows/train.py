@@ -45,6 +45,8 @@ from tasks.run_config import RunConfig, check_run_identity
 from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.support.crash_points import crash_point
+from tasks.support.placement import describe as describe_placement
+from tasks.support.placement import visible_gpus
 from tasks.support.preemption import graceful_sigterm, stop_if_requested
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
@@ -120,6 +122,7 @@ def _safe_point(lease: RunLease, step: int, stage: str) -> None:
 def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, flow_run_url) -> dict[str, Any]:
     """Step 0 (or the resume point), then every step up to `config.steps`, each committed before the next."""
     check_run_identity(store.read_run_config(), config)
+    log.info("placement: %s", describe_placement(config, visible_gpus(config)))
     committed = store.committed_steps()
     last = committed[-1] if committed else None
     resumed_from = last

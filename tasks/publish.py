@@ -24,27 +24,42 @@ log = logging.getLogger("trajflow")
 
 
 async def ensure_served(rt: Runtime, step: int) -> None:
-    """Load `<run>@<step>` from storage if the server does not list it (a restarted server forgot it)."""
+    """Load `<run>@<step>` from storage on every replica that does not list it (a restarted server forgot it)."""
     cfg = rt.config
-    name, loaded = await ensure_loaded(rt.store, rt.inference_client(), cfg.project, cfg.run, step)
-    if loaded:
-        log.info("%s was not served (the inference server restarted?): loaded it from storage", name)
+    for replica, inference in enumerate(rt.inference_clients()):
+        name, loaded = await ensure_loaded(rt.store, inference, cfg.project, cfg.run, step)
+        if loaded:
+            log.info("%s was not served by replica %d (the inference server restarted?): loaded it from storage",
+                     name, replica)
 
 
 async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> dict[str, float]:
+    """Publish on every replica, each loaded and probed on its own; the metrics are the worst replica's."""
     cfg = rt.config
     # Without a probe record, a trainer in this process (training.mode=local) gives the stronger check.
-    trainer = (lambda: rt.trainer_at(step)) if cfg.training.mode == "local" else None
-    client = rt.client()
-    try:
-        return await publish_step(rt.store, rt.inference_client(), client, cfg.project, cfg.run, step, training,
-                                  trainer=trainer, tolerance=cfg.inference.probe_tolerance)
-    except Exception as exc:
-        if is_transient(exc):
-            raise TransientError(f"publishing {cfg.policy(step)}: inference server error worth a retry: {exc}") from exc
-        raise
-    finally:
-        await client.close()
+    in_process = cfg.training.mode == "local" and cfg.training.gpus == 1
+    trainer = (lambda: rt.trainer_at(step)) if in_process else None
+    replicas = rt.inference_clients()
+    merged: dict[str, float] = {}
+    for replica, inference in enumerate(replicas):
+        client = rt.replica_client(replica)
+        try:
+            metrics = await publish_step(rt.store, inference, client, cfg.project, cfg.run, step, training,
+                                         trainer=trainer, tolerance=cfg.inference.probe_tolerance)
+        except Exception as exc:
+            where = f" on replica {replica}" if len(replicas) > 1 else ""
+            if is_transient(exc):
+                raise TransientError(f"publishing {cfg.policy(step)}{where}: inference server error worth a retry: "
+                                     f"{exc}") from exc
+            raise
+        finally:
+            await client.close()
+        for key, value in metrics.items():
+            worst = min if key.endswith("common_prefix") else max
+            merged[key] = worst(merged[key], value) if key in merged else value
+    if len(replicas) > 1:
+        merged["publish/replicas"] = float(len(replicas))
+    return merged
 
 
 def publish_policy_fn(config: RunConfig, step: int, training: dict[str, Any] | None) -> dict[str, Any]:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agents.judge import JudgeConfig
 from agents.model import policy_name
 from agents.rewards import RewardConfig
+from backends.modeling.devices import check_device_spelling
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
 from tasks.config_errors import ConfigError, describe
@@ -37,9 +38,18 @@ class InferenceConfig(BaseModel):
     url: str | None = Field(default=None, description="base URL (`…/v1`) when `backend=url`")
     api_key_env: str = Field(default="TRAJFLOW_INFERENCE_API_KEY",
                              description="env var holding the server's API key; never put the key itself in config")
-    device: str = Field(default="auto", description="device for the embedded server: auto (cuda if present), cpu, cuda")
+    device: str = Field(
+        default="auto",
+        description="device of the server we start: auto (cuda:0 if present, else cpu), cpu, cuda or cuda:K. Another "
+        "GPU than training.device (e.g. cuda:0 here, cuda:1 there) keeps rollouts and the update out of each other's "
+        "memory; vLLM gets it as CUDA_VISIBLE_DEVICES")
     host: str = Field(default="127.0.0.1", description="bind address of a server we start; loopback unless told")
     port: int = Field(default=0, description="port of a server we start; 0 picks a free one")
+    replicas: int = Field(
+        default=1, ge=1,
+        description="servers we start, one per device from `device` on (cuda:0 and 2: GPUs 0 and 1); the policy client "
+        "sends each rollout to one of them (the least busy; all turns of a rollout to the same one) and each publish "
+        "loads and probes the adapter on every one. More replicas shorten rollouts, not the update")
     max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
     gpu_memory_utilization: float = Field(default=0.6, description="vLLM: share of GPU memory it may take")
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
@@ -59,6 +69,18 @@ class InferenceConfig(BaseModel):
         "flow's PYTHONPATH); a list names variables that must be set in the flow's environment (credentials: their "
         "values stay out of the config, and names that look secret are never logged)",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, value: str) -> str:
+        return check_device_spelling(value)
+
+    @model_validator(mode="after")
+    def _replicas_are_ours(self) -> InferenceConfig:
+        if self.replicas > 1 and self.backend == "url":
+            raise ValueError(f"replicas={self.replicas} needs servers the run starts (backend embedded or vllm); "
+                             "backend=url attaches to one server")
+        return self
 
     @field_validator("vllm_command")
     @classmethod
@@ -108,8 +130,22 @@ class TrainingPlacement(BaseModel):
     )
     deployment: str = Field(default="train-step/gpu",
                             description="`<flow>/<deployment>` name used when `mode=deployment`")
-    device: str = Field(default="auto", description="training device for local mode: auto, cpu, cuda, cuda:1")
+    device: str = Field(
+        default="auto",
+        description="training device: auto, cpu, cuda or cuda:K. With gpus N > 1, the first of N consecutive GPUs "
+        "(cuda:1 and gpus 3: GPUs 1, 2, 3), or N processes on the CPU (gloo; for tests, never faster). Another GPU "
+        "than inference.device keeps rollouts and the update out of each other's memory")
+    gpus: int = Field(
+        default=1, ge=1,
+        description="processes (GPUs) of the GRPO update: N > 1 runs it data-parallel under torchrun (rows split by "
+        "tokens, LoRA gradients summed; the same update as one process up to rounding), in either mode. More GPUs "
+        "shorten the update, not the rollouts")
     timeout_s: float = Field(default=3600.0, description="how long to wait for a remote training run")
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, value: str) -> str:
+        return check_device_spelling(value)
 
 
 class RunConfig(BaseModel):

@@ -4,7 +4,8 @@ The update reads the scored groups from storage, so it can run here (``training.
 default: in the flow's process on its device) or on a GPU worker (``training.mode=deployment``: the
 ``train-step/gpu`` deployment of ``flows/train_step.py`` runs the same function and writes the same
 files). The storage side (checkpoint upload, ``training.json`` written last) is
-``backends.policy.checkpoints``, shared with LocalBackend.
+``backends.policy.checkpoints``, shared with LocalBackend. With ``training.gpus: N`` > 1 the update runs on N
+processes under torchrun (``tasks/support/distributed_training.py``), started from here in either mode.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tasks.run_config import RunConfig
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.deployment_attempts import DEFAULT_ATTEMPTS, POLL_S, run_deployment_until_complete
+from tasks.support.distributed_training import train_distributed
 from tasks.support.retry_policy import retry_condition
 from tasks.support.runtime import get_runtime
 
@@ -25,6 +27,8 @@ from tasks.support.runtime import get_runtime
 def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:
     """Step 0: the seeded initial adapter (LoRA B = 0, so it equals the base model) and optimizer state."""
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
+    if config.training.gpus > 1 and training_result(rt.store, 0) is None:
+        train_distributed(config, 0)  # the training GPUs' processes write it: no trainer in this process
     return initialize(rt.store, rt.fresh_trainer)
 
 
@@ -34,6 +38,12 @@ def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     finished = training_result(rt.store, step)
     if finished is not None:  # finished before a kill: never load a trainer, never train twice
         return finished
+    if config.training.gpus > 1:
+        train_distributed(config, step)
+        result = training_result(rt.store, step)
+        if result is None:
+            raise RuntimeError(f"training step {step}: torchrun succeeded but rank 0 stored no training result")
+        return result
     result = train_step(rt.store, step, rt.trainer_at(step - 1), after_update=lambda s: crash_point("training", s))
     rt.mark_trainer_step(step)
     return result

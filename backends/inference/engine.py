@@ -356,6 +356,8 @@ class Engine:
             self._cv.notify()
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # streams and graph captures go to this thread's current device: ours
+            torch.cuda.set_device(self.device)
         with torch.inference_mode():
             while True:
                 with self._cv:

@@ -57,22 +57,26 @@ def load_checkpoint(store, step: int, trainer) -> None:
 
 
 def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None = None,
-               after_update: Callable[[int], None] | None = None) -> dict[str, Any]:
+               after_update: Callable[[int], None] | None = None, write: bool = True) -> dict[str, Any]:
     """One GRPO update from checkpoint step-1 to `step`; returns the stored result if it already finished.
 
     `groups` default to the step's stored ``scored.parquet``; given, they are stored there first.
     `after_update(step)` runs between the update and the upload (crash-point hook for tests).
+    ``write=False`` (a data-parallel rank other than 0) takes its part of the update and stores nothing; it returns
+    the trainer's raw metrics.
     """
     finished = training_result(store, step)
     if finished is not None:
         return finished
     if groups is None:
         groups = store.read_groups(step, SCORED)
-    else:
+    elif write:
         store.write_groups(step, SCORED, groups)
     started = time.perf_counter()
     raw = trainer.train_step(groups)
     update_s = time.perf_counter() - started
+    if not write:
+        return raw
     if after_update is not None:
         after_update(step)
     metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}

@@ -17,7 +17,7 @@ drifted from the reference at that token, zero-mean over the step:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,12 +36,17 @@ def group_advantages(rewards: Sequence[float], scale: bool = True) -> list[float
     return [c / (std + STD_EPS) for c in centred]
 
 
-def kl_shaping(kl_per_row: Sequence[torch.Tensor], coef: float) -> tuple[list[torch.Tensor], float]:
+def kl_shaping(kl_per_row: Sequence[torch.Tensor], coef: float,
+               reduce: Callable[[list[float]], list[float]] | None = None) -> tuple[list[torch.Tensor], float]:
     """Per-token advantage deltas coef*(mean(k) - k_t) for each row's trained tokens, and mean(k).
 
     ``kl_per_row[i]`` holds k_t = logp_policy - logp_ref for row i's trained tokens; the mean is
-    over every trained token of the step, so the shaping sums to zero over the step.
+    over every trained token of the step, so the shaping sums to zero over the step. Data-parallel, each rank
+    holds some of the rows: `reduce` sums [sum(k), count] over the ranks.
     """
     flat = torch.cat([k.detach().double().flatten() for k in kl_per_row]) if kl_per_row else torch.zeros(0)
-    mean_k = float(flat.mean()) if flat.numel() else 0.0
+    total, count = float(flat.sum()), float(flat.numel())
+    if reduce is not None:
+        total, count = reduce([total, count])
+    mean_k = total / count if count else 0.0
     return [coef * (mean_k - k.detach()) for k in kl_per_row], mean_k

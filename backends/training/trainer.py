@@ -13,6 +13,10 @@ One ``train_step(groups)`` call is exactly one optimizer step:
    backward (gradients accumulate);
 6. gradient norm (clipped), AdamW step, LR schedule step.
 
+Data-parallel (a rank of a torchrun job, ``backends/training/distributed.py``): steps 1-2 see every row, step 3
+packs only this rank's share, and the LoRA gradients and the step's sums are summed over the ranks before step 6,
+so every rank takes the one-process step.
+
 The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
 the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
 On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
@@ -37,6 +41,7 @@ from agents.trajectory import TrajectoryGroup
 from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
+from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
@@ -74,6 +79,7 @@ class _StepStats:
         self.loss = self.tokens = self.clipped = self.ratio_sum = self.k3 = self.absdiff = 0.0
         self.tis = self.entropy = 0.0
         self.ratio_min, self.ratio_max = math.inf, -math.inf
+        self.micro_batches = 0
 
     def add(self, res, entropy_sum: torch.Tensor) -> None:
         self.loss += float(res.loss.detach())
@@ -86,6 +92,18 @@ class _StepStats:
         self.absdiff += res.mismatch_abs_sum
         self.tis += res.tis_weight_sum
         self.entropy += float(entropy_sum)
+        self.micro_batches += 1
+
+    def all_reduce(self, params) -> None:
+        """Data-parallel: sum the LoRA gradients of `params` and these sums over the ranks, so every rank holds the
+        step's gradient and totals."""
+        names = ("loss", "tokens", "clipped", "ratio_sum", "k3", "absdiff", "tis", "entropy", "micro_batches")
+        sums, (neg_min, top) = distributed.all_reduce_step(
+            params, [getattr(self, n) for n in names], [-self.ratio_min, self.ratio_max])
+        for name, value in zip(names, sums):
+            setattr(self, name, value)
+        self.tokens, self.micro_batches = int(self.tokens), int(self.micro_batches)
+        self.ratio_min, self.ratio_max = -neg_min, top
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1)
@@ -158,6 +176,7 @@ class GRPOTrainer:
             if p.dtype != torch.float32:
                 p.data = p.data.float()
         self._params = params
+        distributed.broadcast_parameters(params)  # data-parallel: every rank starts from rank 0's adapter
         self.optimizer = torch.optim.AdamW(
             params, lr=config.learning_rate, betas=tuple(config.adam_betas), eps=config.adam_eps,
             weight_decay=config.weight_decay, **({"fused": True} if self.device.type == "cuda" else {}),
@@ -225,11 +244,14 @@ class GRPOTrainer:
         return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
                                 compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
 
-    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
+    def _check_vocabulary(self, rows: Sequence[TrainingRow]) -> None:
         for r in rows:
             top = max(r.token_ids)
             if top >= self.vocab_size:
                 raise ValueError(f"{r.source}: token id {top} is outside the model's vocabulary ({self.vocab_size})")
+
+    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
+        self._check_vocabulary(rows)
         bins = plan_bins([len(r) for r in rows], self.config.micro_batch_tokens, pack=self.packed)
         return [make_micro_batch([rows[i] for i in b], self.device) for b in bins]
 
@@ -245,7 +267,8 @@ class GRPOTrainer:
                     ref, _ = self._token_logprobs(mb)
                 kls.append(policy - ref)
         self.model.train(was_training)
-        deltas, mean_k = kl_shaping(kls, self.config.kl_coef)
+        reduce = None if distributed.world()[1] == 1 else (lambda v: distributed.all_reduce_sum(v, self.device))
+        deltas, mean_k = kl_shaping(kls, self.config.kl_coef, reduce)
         for mb, d in zip(batches, deltas):
             mb.advantages = mb.advantages + d.float()
         return mean_k
@@ -253,6 +276,12 @@ class GRPOTrainer:
     # --- the step --------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         """ONE optimizer step over every trainable row of ``groups``; returns the step's metrics."""
+        # On cuda:K, K > 0 (inference on another GPU of the machine), compiled kernels and streams follow the current
+        # device, which is cuda:0 in a thread that never chose one.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._train_step(groups)
+
+    def _train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         cfg = self.config
         start = time.perf_counter()
         if self.device.type == "cuda":
@@ -264,7 +293,13 @@ class GRPOTrainer:
             metrics.update(no_trainable_rows=1.0, step=float(self.step), trained_tokens=0.0, tokens=0.0)
             return metrics
         assign_aggregation_weights(rows, cfg.aggregation, cfg.dr_grpo_norm or cfg.max_row_tokens)
-        batches = self._micro_batches(rows)
+        self._check_vocabulary(rows)  # every rank judges every row: a bad one stops all of them alike
+        rank, world_size = distributed.world()
+        if world_size > 1:  # data-parallel: this rank's share of the rows (backends/training/distributed.py)
+            rows_here = [rows[i] for i in distributed.split_rows([len(r) for r in rows], world_size)[rank]]
+        else:
+            rows_here = rows
+        batches = self._micro_batches(rows_here)
         if cfg.kl_coef > 0:
             metrics["kl_policy_ref"] = self._shape_advantages(batches)
         eps, eps_high = cfg.clip_range()
@@ -278,11 +313,15 @@ class GRPOTrainer:
                               loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap)
             res.loss.backward()
             done.append((mb, res, entropy.sum()))  # read after the loop: no host sync between micro-batches
+        bad = next((mb for mb, res, _ in done if not math.isfinite(float(res.loss.detach()))), None)
         for mb, res, entropy_sum in done:
-            if not math.isfinite(float(res.loss.detach())):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"non-finite loss ({float(res.loss)}) in the micro-batch of: {mb.sources()}")
             acc.add(res, entropy_sum)
+        if world_size > 1:
+            acc.all_reduce(self._params)
+        if not math.isfinite(acc.loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            where = f"the micro-batch of: {bad.sources()}" if bad is not None else "another rank's rows"
+            raise FloatingPointError(f"non-finite loss ({acc.loss}) in {where}")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -294,9 +333,7 @@ class GRPOTrainer:
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-        else:  # CPU: the process's peak resident memory (ru_maxrss is in KiB on Linux)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak = self._peak_memory_gib()  # data-parallel: this rank's
         elapsed = time.perf_counter() - start
         tokens = sum(len(r) for r in rows)
         metrics.update(acc.metrics())
@@ -307,13 +344,22 @@ class GRPOTrainer:
             learning_rate=lr,
             tokens=float(tokens),
             trained_tokens=float(acc.tokens),
-            micro_batches=float(len(batches)),
+            micro_batches=float(acc.micro_batches),
             step_time_s=elapsed,
             tokens_per_s=tokens / elapsed,
             peak_memory_gib=peak,
         )
+        if world_size > 1:
+            metrics["data_parallel_ranks"] = float(world_size)
         self.metrics_history.append(metrics)
         return metrics
+
+    def _peak_memory_gib(self) -> float:
+        """Peak memory of this step so far: CUDA's allocator peak, or on the CPU the process's peak resident memory
+        (ru_maxrss is in KiB on Linux)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """The current policy's logprob of each completion token after the prompt (eval mode, no grad)."""

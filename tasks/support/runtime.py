@@ -16,6 +16,7 @@ from backends.modeling.devices import resolve_device
 from backends.policy.checkpoints import load_checkpoint
 from storage.store import RunStore
 from tasks.run_config import RunConfig
+from tasks.support.placement import placement, visible_gpus
 
 log = logging.getLogger("trajflow")
 
@@ -29,65 +30,100 @@ class Runtime:
         from agents.registry import get_agent
 
         self.agent = get_agent(config.agent, **config.agent_options)
-        self._server = None
+        self._servers: list = []
         self._trainer = None
         self._trainer_step: int | None = None
         self._lock = threading.RLock()
         self.api_key = os.environ.get(config.inference.api_key_env) or None
-        self.base_url: str | None = None
+        self.base_urls: list[str] = []
         self.base_model_name: str | None = None
 
     # ---- inference -------------------------------------------------------------------------
     def ensure_server(self) -> str:
-        """Start or attach to the inference server; returns its base URL (…/v1)."""
+        """Start or attach to the inference server(s); returns the first one's base URL (…/v1)."""
+        return self.ensure_servers()[0]
+
+    def ensure_servers(self) -> list[str]:
+        """Start or attach to the inference servers, one per replica (``inference.replicas``); their base URLs."""
         with self._lock:
-            if self.base_url is not None:
+            if self.base_urls:
                 died = self.server_failure()
                 if died is None:
-                    return self.base_url
+                    return list(self.base_urls)
                 # A vLLM that died (OOM, a crash, a kill) is started afresh; it has forgotten its adapters, which
                 # the rollouts reload from storage (tasks/rollouts.py) and publishing loads anyway.
-                log.warning("%s\nrestarting it", died)
-                self._server.stop()
-                self._server = None
-                self.base_url = None
+                log.warning("%s\nrestarting the inference servers", died)
+                self._stop_servers()
             inf = self.config.inference
             if inf.backend == "url":
                 if not inf.url:
                     raise ValueError("inference.backend=url needs inference.url (the server's …/v1 base URL)")
-                self.base_url = inf.url.rstrip("/")
-            elif inf.backend == "vllm":
-                from backends.serving.vllm import VLLMServer
-                from tasks.support.vllm_launch import vllm_config
+                self.base_urls = [inf.url.rstrip("/")]
+                return list(self.base_urls)
+            placed = placement(self.config, visible_gpus())["inference"]
+            try:
+                for i, device in enumerate(placed):
+                    server = self._start_server(device, inf.port + i if inf.port else 0)
+                    self._servers.append(server)
+                    self.base_urls.append(server.base_url)
+            except BaseException:
+                self._stop_servers()
+                raise
+            if len(placed) > 1:
+                log.info("inference: %d replicas on %s: %s", len(placed), ", ".join(placed), ", ".join(self.base_urls))
+            return list(self.base_urls)
 
-                server = VLLMServer(vllm_config(self.config, self.api_key))
-                server.start()
-                self._server = server
-                self.base_url = server.base_url
-            else:
-                from backends.serving.app import start_server
+    def _start_server(self, device: str, port: int):
+        inf = self.config.inference
+        if inf.backend == "vllm":
+            from backends.serving.vllm import VLLMServer
+            from tasks.support.vllm_launch import vllm_config
 
-                handle = start_server(
-                    model=self.config.base_model, host=inf.host, port=inf.port, api_key=self.api_key,
-                    device=resolve_device(inf.device), max_loras=inf.max_loras,
-                )
-                self._server = handle
-                self.base_url = handle.base_url
-            return self.base_url
+            server = VLLMServer(vllm_config(self.config, self.api_key, device=device, port=port))
+            server.start()
+            return server
+        from backends.serving.app import start_server
+
+        return start_server(model=self.config.base_model, host=inf.host, port=port, api_key=self.api_key,
+                            device=device, max_loras=inf.max_loras)
+
+    @property
+    def base_url(self) -> str | None:
+        return self.base_urls[0] if self.base_urls else None
 
     def server_failure(self) -> str | None:
-        """Why the vLLM this runtime launched is gone (its exit code and log tail), or None while it runs."""
-        failure = getattr(self._server, "failure", None)
-        return failure() if failure is not None else None
+        """Why a vLLM this runtime launched is gone (its exit code and log tail), or None while they all run."""
+        for server in self._servers:
+            failure = getattr(server, "failure", None)
+            reason = failure() if failure is not None else None
+            if reason is not None:
+                return reason
+        return None
 
     def client(self):
-        """A fresh policy client (per task: httpx clients must not cross event loops)."""
-        return policy_client(self.ensure_server(), api_key=self.api_key, timeout=self.config.rollouts.timeout_s)
+        """A fresh policy client (per task: httpx clients must not cross event loops); over several replicas it
+        routes each request (agents/replica_router.py)."""
+        return policy_client(self.ensure_servers(), api_key=self.api_key, timeout=self.config.rollouts.timeout_s)
 
-    def inference_client(self):
+    def replica_client(self, replica: int):
+        """A fresh policy client of one replica only (publishing probes each replica itself)."""
+        return policy_client(self.ensure_servers()[replica], api_key=self.api_key,
+                             timeout=self.config.rollouts.timeout_s)
+
+    def inference_client(self, replica: int = 0):
         from backends.serving.inference_client import InferenceClient
 
-        return InferenceClient(self.ensure_server(), api_key=self.api_key)
+        return InferenceClient(self.ensure_servers()[replica], api_key=self.api_key)
+
+    def inference_clients(self) -> list:
+        """One control client (adapter loading, model listing) per replica."""
+        return [self.inference_client(i) for i in range(len(self.ensure_servers()))]
+
+    def _stop_servers(self) -> None:
+        for server in self._servers:
+            server.stop()
+        self._servers = []
+        self.base_urls = []
 
     # ---- training --------------------------------------------------------------------------
     def trainer_at(self, step: int):
@@ -120,10 +156,7 @@ class Runtime:
 
     def close(self) -> None:
         with self._lock:
-            if self._server is not None:
-                self._server.stop()
-                self._server = None
-            self.base_url = None
+            self._stop_servers()
 
 
 _RUNTIMES: dict[str, Runtime] = {}

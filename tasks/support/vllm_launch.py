@@ -7,6 +7,7 @@
 - The environment: ``inference.vllm_env``; a mapping is passed as is, a list names variables copied from the flow's
   environment, each of which must be set (a missing credential fails here, in one line, not in vLLM's log).
 - Port 0 means a free port, as for the embedded server.
+- The device: ``cuda:K`` becomes CUDA_VISIBLE_DEVICES (``tasks/support/placement.py``), unless ``vllm_env`` sets it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from backends.modeling.loading import resolve_model
 from backends.serving.vllm import VLLMConfig
 from tasks.run_config import RunConfig
+from tasks.support.placement import cuda_visible
 
 
 def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | None = None) -> dict[str, str | None]:
@@ -29,13 +31,19 @@ def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | 
     return {name: environ[name] for name in spec}
 
 
-def vllm_config(config: RunConfig, api_key: str | None) -> VLLMConfig:
-    """The launcher's config for this run's vLLM (module docstring)."""
+def vllm_config(config: RunConfig, api_key: str | None, device: str | None = None,
+                port: int | None = None) -> VLLMConfig:
+    """The launcher's config for this run's vLLM (module docstring) on `device` ('cuda:K'; None: vLLM's default) and
+    `port` (None: inference.port)."""
     inf = config.inference
     spec = resolve_model(config.base_model)
+    env = vllm_env(inf.vllm_env)
+    if device is not None and device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible([device], os.environ.get("CUDA_VISIBLE_DEVICES"))
     return VLLMConfig(
-        model=str(spec.path), served_model_name=spec.name, host=inf.host, port=inf.port, api_key=api_key,
+        model=str(spec.path), served_model_name=spec.name, host=inf.host, port=inf.port if port is None else port,
+        api_key=api_key,
         max_lora_rank=inf.max_lora_rank, max_loras=inf.max_loras,
         gpu_memory_utilization=inf.gpu_memory_utilization, max_model_len=inf.max_model_len,
-        tool_call_parser=inf.tool_call_parser, executable=inf.vllm_command, env=vllm_env(inf.vllm_env),
+        tool_call_parser=inf.tool_call_parser, executable=inf.vllm_command, env=env,
     )

@@ -36,7 +36,7 @@ def test_the_model_alias_reaches_vllm_as_the_local_folder(fake_vllm, tmp_path):
         args = json.loads(record.read_text())["args"]
         assert args["model"] == str(ensure_tiny_random())  # the folder the embedded engine loads, not 'tiny-random'
         assert args["served_model_name"] == "tiny-random"  # the base name the embedded engine serves
-        assert int(args["port"]) == rt._server.port != 8000  # inference.port 0: a free port
+        assert int(args["port"]) == rt._servers[0].port != 8000  # inference.port 0: a free port
     finally:
         rt.close()
 
@@ -97,7 +97,7 @@ def test_vllm_dying_mid_rollouts_fails_the_task_clearly_and_the_retry_restarts_i
     rt = get_runtime(config)
     try:
         rt.ensure_server()
-        first_pid = rt._server.process.pid
+        first_pid = rt._servers[0].process.pid
         monkeypatch.setenv("FAKE_VLLM_MODE", "ok")  # the restarted vLLM is healthy
         scenarios = sample_scenarios_fn(config, 1)
         with pytest.raises(TransientError) as e:
@@ -108,7 +108,7 @@ def test_vllm_dying_mid_rollouts_fails_the_task_clearly_and_the_retry_restarts_i
         assert "EngineCore died: CUDA error" in message  # the log tail
 
         result = run_rollouts_fn(config, 1, scenarios)  # the retry: vLLM restarted, the policy reloaded
-        assert rt._server.process.pid != first_pid and rt.server_failure() is None
+        assert rt._servers[0].process.pid != first_pid and rt.server_failure() is None
         assert result["failed_rollouts"] == 0 and result["ran_groups"] == len(scenarios)
         assert all(rt.store.exists(1, group_file(GROUPS_DIR, i)) for i in range(len(scenarios)))
         loads = json.loads(record.read_text())["loads"]
