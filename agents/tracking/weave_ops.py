@@ -16,14 +16,20 @@ from agents.secrets import environment_secrets, redact
 
 DROPPED = frozenset({"token_ids", "prompt_token_ids", "logprobs", "top_logprobs"})
 _weave: Any = None
+_project: str | None = None
+_ops: dict[tuple[Callable, str], Callable] = {}
 
 
 def init_weave(project: str) -> None:
-    global _weave
+    """``weave.init(project)``, once per process and project."""
+    global _weave, _project
+    if _weave is not None and _project == project:
+        return
     import weave
 
     weave.init(project)
-    _weave = weave
+    _weave, _project = weave, project
+    _ops.clear()
 
 
 def weave_active() -> bool:
@@ -52,4 +58,7 @@ def traced(fn: Callable, name: str) -> Callable:
     """`fn` as the Weave op `name` when Weave is on, else `fn` unchanged."""
     if _weave is None:
         return fn
-    return _weave.op(fn, name=name, postprocess_inputs=clean, postprocess_output=clean)
+    key = (fn, name)
+    if key not in _ops:
+        _ops[key] = _weave.op(fn, name=name, postprocess_inputs=clean, postprocess_output=clean)
+    return _ops[key]
