@@ -84,7 +84,7 @@ WEAVE_OP_KWARGS = {"name", "call_display_name", "postprocess_inputs", "postproce
 @pytest.fixture
 def recording_weave(monkeypatch):
     """A `weave` module that records init and op calls and each traced call's cleaned inputs and output."""
-    import agents.tracking.weave_ops as weave_ops
+    from agents.tracking import weave_ops
 
     calls: dict[str, list] = {"init": [], "op": [], "traced": []}
 
