@@ -90,6 +90,11 @@ def _check_identity(stored: dict | None, model: TrainableModel, config, storage:
                          "original trainer settings")
 
 
+def step_settings(registered, config: TrainConfig) -> dict:
+    """The trainer settings of one step: the registered ones (a TrainerConfig), with this call's options over them."""
+    return {k: (v if v is not None else getattr(registered, k)) for k, v in config.model_dump().items()}
+
+
 def _release_all(runs: dict[str, _RunState]) -> None:
     for state in list(runs.values()):
         state.release()
@@ -233,10 +238,6 @@ class LocalBackend(BackendAPI):
     async def get_step(self, model: TrainableModel) -> int:
         return self._state(model).store.latest_step() or 0
 
-    def _step_settings(self, state: _RunState, config: TrainConfig) -> dict:
-        """The trainer settings of one step: the registered ones, with this call's options over them."""
-        return {k: (v if v is not None else getattr(state.settings, k)) for k, v in config.model_dump().items()}
-
     async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         state = self._ready_state(model)
         if not groups:
@@ -244,7 +245,7 @@ class LocalBackend(BackendAPI):
         step = (state.store.latest_step() or 0) + 1
         with state.exclusive(f"training step {step}"):
             state.lease.check()
-            state.trainer.update_config(**self._step_settings(state, config))
+            state.trainer.update_config(**step_settings(state.settings, config))
             result = await asyncio.to_thread(train_step, state.store, step, state.trainer, groups)
             metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))

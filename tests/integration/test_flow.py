@@ -45,7 +45,7 @@ def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_pat
     rows = [row for r in runs for row in r.history]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert rows[3]["train/reward"] == store.read_manifest(3).metrics["train/reward"]
-    assert rows[1]["trajectories/_type"] == "table-file" and rows[1]["trajectories/nrows"] == 2
+    assert rows[1]["trajectories/_type"] == "table-file" and rows[1]["trajectories/nrows"] == 4  # of 2 x 3
     assert trackio_runs(trackio_project) == ["tiny"]
     assert [row["step"] for row in trackio_logs(trackio_project, "tiny")] == [0, 1, 2, 3]
 

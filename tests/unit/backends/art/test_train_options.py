@@ -46,3 +46,16 @@ def test_model_log_takes_groups_trajectories_and_their_exceptions():
         as_groups([a, groups[0]])
     with pytest.raises(TypeError, match="got dict"):
         as_groups([{"reward": 1.0}])
+
+
+def test_a_steps_options_last_for_that_step_only():
+    """Each step trains with the registered settings plus its own call's options: a resumed process, which starts
+    from the registered settings, trains exactly as the one that stopped."""
+    from backends.art.local_backend import step_settings
+    from backends.training.config import TrainerConfig
+
+    registered = TrainerConfig(learning_rate=1e-4, loss="ppo")
+    tuned = step_settings(registered, train_config(learning_rate=2e-5, kl_penalty_coef=0.1))
+    assert (tuned["learning_rate"], tuned["loss"], tuned["kl_coef"]) == (2e-5, "ppo", 0.1)
+    plain = step_settings(registered, train_config())
+    assert (plain["learning_rate"], plain["loss"], plain["kl_coef"]) == (1e-4, "ppo", 0.0)
