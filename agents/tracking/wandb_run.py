@@ -10,6 +10,7 @@ is ``step`` (the trajflow step), declared with ``define_metric``, so metrics log
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 from agents.tracking.config import WandbTracking
@@ -27,6 +28,9 @@ class WandbRun:
 
         self._wandb = wandb
         kwargs: dict[str, Any] = {"mode": cfg.mode} if cfg.mode else {}
+        # W&B reads WANDB_DIR once per process (its first init); a run opened later goes where the variable says now
+        if os.environ.get("WANDB_DIR"):
+            kwargs["dir"] = os.environ["WANDB_DIR"]
         self.run = wandb.init(project=cfg.project or project, entity=cfg.entity, id=wandb_run_id(run_url), name=run,
                               resume="allow", config=config, reinit="create_new",
                               settings=wandb.Settings(console="off", silent=True), **kwargs)
