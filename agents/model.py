@@ -1,20 +1,24 @@
-"""ART's script API: `Model`, `TrainableModel`, `TrainConfig`; training goes through a backend.
+"""ART's script API: `Model`, `TrainableModel`, `TrainConfig`, `TrainResult`; training goes through a backend.
 
-``TrainableModel(name, project, base_model)`` + ``await model.register(backend)`` +
-``model.openai_client()`` + ``await model.train(groups, config=TrainConfig(...))`` is the loop of
-ART's cheat sheet. The model holds no weights and imports no torch: the backend (``LocalBackend`` in
-this process, ``RemoteBackend`` over HTTP) owns the server and the trainer, and stores steps in the
-same layout as the Prefect flow, so a run can move between a script and ``flows/train.py``.
+``TrainableModel(name, project, base_model)`` + ``await model.register(backend)`` + ``model.openai_client()`` +
+``result = await backend.train(model, groups, learning_rate=...)`` + ``await model.log(val, split="val")`` is
+ART's loop today; the older ``await model.train(groups, config=TrainConfig(...))`` still works and warns. The model
+holds no weights and imports no torch: the backend (``LocalBackend`` in this process, ``RemoteBackend`` over HTTP)
+owns the server and the trainer, and stores steps in the same layout as the Prefect flow, so a run can move between
+a script and ``flows/train.py``.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from agents.trajectory import TrajectoryGroup
+from agents.tracking.config import TrackingConfig
+from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
 
 
 def policy_name(run: str, step: int) -> str:
@@ -23,7 +27,8 @@ def policy_name(run: str, step: int) -> str:
 
 
 class TrainConfig(BaseModel):
-    """Per-step training options (ART's ``TrainConfig``); unset fields keep the model's trainer config."""
+    """Per-step training options (ART's older ``TrainConfig``, and what ``backend.train``'s keywords become); an
+    unset field takes the model's trainer setting (``TrainableModel.trainer``), for this step only."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -31,21 +36,45 @@ class TrainConfig(BaseModel):
     loss: Literal["cispo", "ppo", "gspo"] | None = Field(default=None, description="policy loss for this step")
     scale_rewards: bool | None = Field(default=None, description="divide advantages by the group reward std")
     kl_coef: float | None = Field(default=None, ge=0, description="KL-shaped advantages against the base model")
+    epsilon: float | None = Field(default=None, ge=0, description="lower clip bound of the importance ratio")
+    epsilon_high: float | None = Field(default=None, ge=0, description="upper clip bound of the importance ratio")
+    tis_cap: float | None = Field(default=None, gt=0, description="truncated importance sampling cap")
 
 
 class TrainResult(BaseModel):
+    """What ``backend.train`` returns: ART's ``TrainResult`` (step, metrics) and LocalTrainResult's checkpoint_path."""
+
     step: int = Field(description="the step committed by this update")
     metrics: dict[str, float] = Field(default_factory=dict, description="trainer and reward metrics of the step")
+    checkpoint_path: str | None = Field(default=None, description="where the step's adapter is stored")
 
 
 class Backend(Protocol):
-    """What a model needs from a backend; LocalBackend and RemoteBackend implement it."""
+    """What a model needs from a backend; LocalBackend and RemoteBackend implement it (backends/art/backend_api.py)."""
 
     async def register(self, model: Model) -> None: ...
     async def get_step(self, model: TrainableModel) -> int: ...
-    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult: ...
-    async def log(self, model: Model, groups: list[TrajectoryGroup], split: str) -> dict[str, float]: ...
+    async def train_with_config(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                                config: TrainConfig) -> TrainResult: ...
+    async def log(self, model: Model, groups: list[TrajectoryGroup], split: str = "val", *,
+                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, float]: ...
     async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str) -> list[int]: ...
+
+
+def as_groups(trajectories: Iterable[Any] | None) -> list[TrajectoryGroup]:
+    """What ``model.log`` accepts, as groups: groups as they are; a flat list of trajectories (exceptions among them
+    recorded as failures) as one group; None as none."""
+    items = list(trajectories or [])
+    if all(isinstance(i, TrajectoryGroup) for i in items):
+        return items
+    if any(isinstance(i, TrajectoryGroup) for i in items):
+        raise TypeError("model.log takes trajectory groups or trajectories, not a mix of both")
+    bad = [type(i).__name__ for i in items if not isinstance(i, (Trajectory, BaseException))]
+    if bad:
+        raise TypeError(f"model.log takes trajectories or trajectory groups, got {bad[0]}")
+    return [TrajectoryGroup([i for i in items if isinstance(i, Trajectory)],
+                            exceptions=[RecordedException.from_exception(i) for i in items
+                                        if isinstance(i, BaseException)])]
 
 
 class Model(BaseModel):
@@ -92,9 +121,15 @@ class Model(BaseModel):
             raise RuntimeError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
         return self._backend
 
-    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        """Store these groups' metrics (e.g. validation rewards) with the current step."""
-        return await self._require_backend().log(self, list(groups), split)
+    async def log(self, trajectories: Iterable[Trajectory | BaseException] | Iterable[TrajectoryGroup] | None = None,
+                  split: str = "val", *, metrics: dict[str, float] | None = None,
+                  step: int | None = None) -> dict[str, float]:
+        """Store trajectories (groups, or a flat list) and/or metrics under `split` at `step` (default: the latest
+        step), as ART's ``model.log``; returns the metrics stored, prefixed ``<split>/``."""
+        groups = as_groups(trajectories)
+        if not groups and not metrics:
+            raise ValueError("model.log needs trajectories, trajectory groups or metrics")
+        return await self._require_backend().log(self, groups, split, metrics=metrics, step=step)
 
 
 class TrainableModel(Model):
@@ -103,14 +138,18 @@ class TrainableModel(Model):
     base_model: str = Field(description="smollm2-135m, tiny-random or a local HF folder")
     trainer: dict[str, Any] = Field(default_factory=dict,
                                     description="trainer settings (backends.training.config.TrainerConfig fields)")
+    tracking: TrackingConfig | None = Field(default=None, description="experiment trackers (W&B, Trackio, Weave)")
 
     async def get_step(self) -> int:
         """The last committed step (0 before any training)."""
         return await self._require_backend().get_step(self)
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
-        """One GRPO step on these groups: stores them, trains, checkpoints, commits and serves the new step."""
-        return await self._require_backend().train(self, list(groups), config or TrainConfig())
+        """ART's older form of ``await backend.train(model, groups, learning_rate=...)``: the same step (stores the
+        groups, trains, checkpoints, commits, serves the new step); deprecated as in ART."""
+        warnings.warn("model.train(groups, config=TrainConfig(...)) is deprecated, as in ART: use "
+                      "`await backend.train(model, groups, learning_rate=...)`", DeprecationWarning, stacklevel=2)
+        return await self._require_backend().train_with_config(self, list(groups), config or TrainConfig())
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Prune adapters except the newest step and the best by `best_checkpoint_metric`."""

@@ -13,8 +13,8 @@ import sys
 
 from flows.arguments import config_show_parser, deploy_parser, eval_parser, train_parser
 
-# module -> what it adds: backends (serve, backend serve), storage (runs)
-_COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli")
+# module -> what it adds: backends (serve, backend serve), storage (runs, fork)
+_COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli", "storage.fork_cli")
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ from tasks.support.preemption import graceful_sigterm, stop_if_requested
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
+from tasks.support.tracking import track_step
 from tasks.training import initialize_policy_fn, train_policy
 
 log = logging.getLogger("trajflow")
@@ -135,6 +136,7 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
             metrics.update(with_run_storage(evaluate_policy)(config, 0))
         lease.check(fresh=True)
         store.commit(0, metrics, extra={"policy": config.policy(0)})
+        track_step(config, 0, metrics)
         log.info("%s", format_step_line(0, metrics, config.policy(0)))
         last = 0
     else:
@@ -164,6 +166,7 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
         crash_point("before-commit", step)
         lease.check(fresh=True)
         store.commit(step, metrics, extra={"policy": config.policy(step)})
+        track_step(config, step, metrics)
         pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
                                        config.retention.mode)
         if pruned:

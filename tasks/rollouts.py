@@ -68,7 +68,7 @@ async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, ste
                                      latency_s=rec.latency_s)
             with rollout_context(material, observer=observer):
                 try:
-                    traj = await asyncio.wait_for(rt.agent.rollout(client, policy, scenario), cfg.rollouts.timeout_s)
+                    traj = await asyncio.wait_for(rt.traced_rollout()(client, policy, scenario), cfg.rollouts.timeout_s)
                 except asyncio.TimeoutError:
                     raise RolloutTimeout(f"rollout {index} of scenario {scenario.id!r} exceeded "
                                          f"{cfg.rollouts.timeout_s:g}s") from None

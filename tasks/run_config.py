@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agents.judge import JudgeConfig
 from agents.model import policy_name
 from agents.rewards import RewardConfig
+from agents.tracking import TrackingConfig
 from backends.modeling.devices import check_device_spelling
 from backends.training.config import TrainerConfig
 from storage.names import validate_name
@@ -181,6 +182,8 @@ class RunConfig(BaseModel):
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
     retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
+    tracking: TrackingConfig | None = Field(default=None, description="experiment trackers (W&B, Trackio, Weave); "
+                                            "None: none")
 
     # What a run IS: continuing a stored run under other values would mix two experiments under one name. Of the
     # trainer, only TrainerConfig.IDENTITY_FIELDS count (see check_run_identity).

@@ -11,6 +11,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="trajflow-prefect-home-"))
 for _key in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
     os.environ.pop(_key, None)
+# Experiment trackers stay on this machine: W&B offline, its files and Trackio's database in private folders
+# (Trackio reads TRACKIO_DIR once, at import).
+os.environ["WANDB_MODE"] = "offline"
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="trajflow-wandb-"))
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trajflow-trackio-"))
 
 pytest_plugins = [f"tests.{name[:-3]}" for name in sorted(os.listdir(os.path.dirname(__file__)))
                   if name.startswith("fixtures_") and name.endswith(".py")]

@@ -43,7 +43,7 @@ def start_backend_server(storage: str, api_key: str | None = BACKEND_KEY) -> Bac
     from backends.art.server import create_backend_app
     from backends.serving.app import bind_socket
 
-    backend = LocalBackend(storage=storage, device="cpu", api_key=api_key)
+    backend = LocalBackend(storage=storage, device="cpu", api_key=api_key, track=False)
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_backend_app(backend, api_key), log_level="warning",
                                            lifespan="off"))

@@ -44,6 +44,7 @@ from agents.judge.cache import (
 from agents.judge.parse import JudgedScore, JudgeParseError, parse_scores
 from agents.judge.prompt import DEFAULT_RUBRIC, PROMPT_VERSION, build_judge_messages, id_to_index, response_schema
 from agents.rewards import INDEPENDENT_REWARD, JUDGE_SCORE, RewardConfig, apply_judge_scores, original_reward
+from agents.tracking.weave_ops import traced
 from agents.trajectory import TrajectoryGroup
 
 __all__ = [
@@ -290,7 +291,7 @@ async def judge_group(
     judge_client = config.make_client() if own_client else client.with_options(max_retries=0, timeout=config.timeout_s)
     started = time.perf_counter()
     try:
-        outcome = await _ask_judge(judge_client, config, model, messages, ids)
+        outcome = await traced(_ask_judge, "judge")(judge_client, config, model, messages, ids)
     finally:
         if own_client:
             await judge_client.close()

@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     from backends.art.server import create_backend_app
 
     backend = LocalBackend(storage=args.storage, device=args.device, host=args.host, port=args.inference_port,
-                           api_key=api_key)
+                           api_key=api_key, track=False)  # its RemoteBackend clients track, with their credentials
     try:
         uvicorn.run(create_backend_app(backend, api_key=api_key), host=args.host, port=args.port, log_level="warning")
     finally:

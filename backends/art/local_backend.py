@@ -4,9 +4,11 @@
 (the same layout the Prefect flow writes), starts one embedded server per base model, creates the
 step-0 adapter if the run is new, and resumes the latest committed step otherwise: the trainer loads
 that checkpoint and the server hot-loads its adapter as ``<name>@<step>`` (a bare ``<name>`` then
-means that latest step). ``model.train(groups)`` runs one GRPO update and publishes it through
+means that latest step). ``backend.train(model, groups, ...)`` runs one GRPO update and publishes it through
 ``backends.policy`` (store groups, train, checkpoint, publish with probe: the flow's path) and commits
-the step.
+the step. Each step trains with the model's trainer settings updated by that call's options only, so a resumed
+process trains exactly as the one that stopped. ``_experimental_fork_checkpoint`` copies a step of another run
+(storage/fork.py); a registered model that has not trained then loads and serves the forked step at once.
 
 One writer per run: a run has one trainer in this process, and one request writes it at a time (register, train,
 log, prune; a second one meanwhile gets RunBusyError, HTTP 409 behind `trajflow backend serve`); registering a
@@ -28,12 +30,14 @@ from typing import Any
 from agents.group_metrics import merge_step_metrics, summarize
 from agents.model import Model, TrainableModel, TrainConfig, TrainResult
 from agents.trajectory import TrajectoryGroup
+from backends.art.backend_api import BackendAPI, LogResult, split_metrics
 from backends.art.errors import NotRegisteredError, RunBusyError
 from backends.art.run_line import print_registered
 from backends.modeling.devices import resolve_device
 from backends.policy.checkpoints import initialize, load_checkpoint, train_step
 from backends.policy.publish import publish_step
-from storage.layout import logged_split
+from storage.fork import fork_run
+from storage.layout import ADAPTER_DIR, logged_split
 from storage.lease import RunLease
 from storage.store import RunStore
 
@@ -86,17 +90,24 @@ def _check_identity(stored: dict | None, model: TrainableModel, config, storage:
                          "original trainer settings")
 
 
+def step_settings(registered, config: TrainConfig) -> dict:
+    """The trainer settings of one step: the registered ones (a TrainerConfig), with this call's options over them."""
+    return {k: (v if v is not None else getattr(registered, k)) for k, v in config.model_dump().items()}
+
+
 def _release_all(runs: dict[str, _RunState]) -> None:
     for state in list(runs.values()):
         state.release()
     runs.clear()
 
 
-class LocalBackend:
+class LocalBackend(BackendAPI):
     """Inference and training in this process; checkpoints and trajectories in `storage` (local or s3://)."""
 
     def __init__(self, storage: str | None = None, device: str = "auto", host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, max_loras: int = 4, probe_tolerance: float | None = None):
+                 api_key: str | None = None, max_loras: int = 4, probe_tolerance: float | None = None,
+                 track: bool = True):
+        super().__init__(track=track)
         self.storage = storage or os.environ.get("TRAJFLOW_STORAGE", "runs")
         self.device = device
         self.host, self.port, self.api_key, self.max_loras = host, port, api_key, max_loras
@@ -144,17 +155,18 @@ class LocalBackend:
             await client.close()
 
     # ---- Backend protocol ------------------------------------------------------------------
-    async def register(self, model: Model) -> None:
+    async def _register(self, model: Model) -> str | None:
         """Open the run (new: step 0; stored: its latest step) and serve it; the same model again: the run as it is."""
         if not isinstance(model, TrainableModel):
-            return  # a prompted Model keeps its own URL
+            return None  # a prompted Model keeps its own URL
         from backends.training.config import TrainerConfig
 
         config = TrainerConfig(**model.trainer)
         key = f"{model.project}/{model.name}"
         state = self._runs.get(key)
         if state is not None:
-            return await self._register_again(model, state, config)
+            await self._register_again(model, state, config)
+            return state.store.url
         store = RunStore(self.storage, model.project, model.name)
         stored = store.read_run_config()
         _check_identity(stored, model, config, self.storage)
@@ -168,6 +180,7 @@ class LocalBackend:
             state.release()
             raise
         state.ready = True
+        return store.url
 
     async def _open(self, model: TrainableModel, state: _RunState, config, stored: dict | None) -> None:
         from backends.training.trainer import GRPOTrainer
@@ -225,35 +238,64 @@ class LocalBackend:
     async def get_step(self, model: TrainableModel) -> int:
         return self._state(model).store.latest_step() or 0
 
-    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         state = self._ready_state(model)
         if not groups:
             raise ValueError("train needs at least one trajectory group")
         step = (state.store.latest_step() or 0) + 1
         with state.exclusive(f"training step {step}"):
             state.lease.check()
-            overrides = config.model_dump(exclude_none=True)
-            if overrides:
-                state.trainer.update_config(**overrides)
+            state.trainer.update_config(**step_settings(state.settings, config))
             result = await asyncio.to_thread(train_step, state.store, step, state.trainer, groups)
             metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))
             state.lease.check(fresh=True)
             state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
-            return TrainResult(step=step, metrics=metrics)
+            return TrainResult(step=step, metrics=metrics, checkpoint_path=f"{state.store.step_url(step)}/{ADAPTER_DIR}")
 
-    async def log(self, model: Model, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+    async def record_log(self, model: Model, groups: list[TrajectoryGroup], split: str,
+                         metrics: dict[str, float] | None = None, step: int | None = None) -> LogResult:
         relpath = logged_split(split)  # refuses a split that is no file name
         state = self._ready_state(model) if isinstance(model, TrainableModel) else None
-        if not groups:
-            raise ValueError("log needs at least one trajectory group")
-        metrics = summarize(groups, split)
-        if state is not None:
-            with state.exclusive(f"logging {split!r}"):
-                step = state.store.latest_step() or 0
-                await asyncio.to_thread(state.store.write_groups, step, relpath, groups)
-                state.store.amend_metrics(step, metrics)
-        return metrics
+        if not groups and not metrics:
+            raise ValueError("log needs trajectories, trajectory groups or metrics")
+        stored = {**(summarize(groups, split) if groups else {}), **split_metrics(split, metrics)}
+        if state is None:
+            return LogResult(step=step or 0, metrics=stored)
+        with state.exclusive(f"logging {split!r}"):
+            latest = state.store.latest_step() or 0
+            at = latest if step is None else step
+            if not state.store.is_committed(at):
+                raise ValueError(f"model.log: step {at} of {state.label} is not committed (latest: {latest})")
+            if groups:
+                await asyncio.to_thread(state.store.write_groups, at, relpath, groups)
+            state.store.amend_metrics(at, stored)
+        return LogResult(step=at, metrics=stored)
+
+    async def fork_from(self, model: TrainableModel, from_storage: str | None, from_project: str, from_model: str,
+                    not_after_step: int | None) -> int:
+        from backends.training.config import TrainerConfig
+
+        source = RunStore(from_storage or self.storage, from_project, from_model)
+        stored = source.read_run_config()
+        if stored is None and source.latest_step() is None:
+            raise ValueError(f"_experimental_fork_checkpoint: no run {from_project}/{from_model} in {source.root}")
+        _check_identity(stored, model, TrainerConfig(**model.trainer), source.root)
+        state = self._runs.get(f"{model.project}/{model.name}")
+        if state is None:
+            dest = RunStore(self.storage, model.project, model.name)
+            lease = await asyncio.to_thread(RunLease(dest, "LocalBackend fork").acquire)
+            try:
+                return (await asyncio.to_thread(fork_run, source, dest, None, not_after_step)).step
+            finally:
+                lease.release()
+        state = self._ready_state(model)
+        with state.exclusive("forking"):
+            state.lease.check()
+            step = (await asyncio.to_thread(fork_run, source, state.store, None, not_after_step)).step
+            await asyncio.to_thread(load_checkpoint, state.store, step, state.trainer)
+            await self._publish(model, state, step)  # the forked step is served at once (ART's issue #651)
+            return step
 
     async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward") -> list[int]:
         state = self._ready_state(model)
@@ -261,6 +303,7 @@ class LocalBackend:
             return state.store.apply_retention(1, best_checkpoint_metric, "max")
 
     def close(self) -> None:
+        self.close_trackers()
         _release_all(self._runs)
         for server in self._servers.values():
             server.stop()

@@ -41,8 +41,21 @@ class TrainRequest(ModelRef):
 
 
 class LogRequest(ModelRef):
-    groups: list[dict[str, Any]] = Field(description="trajectory groups as JSON")
+    groups: list[dict[str, Any]] = Field(default_factory=list, description="trajectory groups as JSON")
     split: str = Field(default="val", description="metric prefix and file name, e.g. val")
+    metrics: dict[str, float] = Field(default_factory=dict, description="metrics to store (a name without '/' "
+                                      "goes under <split>/)")
+    step: int | None = Field(default=None, ge=0, description="committed step to store them at; None: the latest")
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: TrainableModel = Field(description="the model to start from the source's step")
+    from_model: str = Field(description="run to fork")
+    from_project: str = Field(description="its project")
+    from_storage: str | None = Field(default=None, description="its storage root; None: the backend's")
+    not_after_step: int | None = Field(default=None, ge=0, description="latest checkpointed step at or before this")
 
 
 class RetentionRequest(ModelRef):
@@ -121,12 +134,22 @@ def create_backend_app(backend: LocalBackend, api_key: str | None = None) -> Fas
 
     @app.post("/backend/train")
     async def train(req: TrainRequest) -> dict[str, Any]:
-        result = await backend.train(model_of(req), groups_of(req.groups), req.config)
+        result = await backend.train_with_config(model_of(req), groups_of(req.groups), req.config)
         return result.model_dump()
 
     @app.post("/backend/log")
-    async def log_groups(req: LogRequest) -> dict[str, float]:
-        return await backend.log(model_of(req), groups_of(req.groups), req.split)
+    async def log_groups(req: LogRequest) -> dict[str, Any]:
+        done = await backend.record_log(model_of(req), groups_of(req.groups), req.split, req.metrics, req.step)
+        return done.model_dump()
+
+    @app.post("/backend/fork")
+    async def fork(req: ForkRequest) -> dict[str, int]:
+        if req.from_storage not in (None, backend.storage):
+            raise ValueError(f"this backend forks runs of its own storage only ({backend.storage}), not "
+                             f"{req.from_storage!r}")
+        model = models.get(f"{req.model.project}/{req.model.name}", req.model)
+        step = await backend.fork_from(model, req.from_storage, req.from_project, req.from_model, req.not_after_step)
+        return {"step": step}
 
     @app.post("/backend/delete_checkpoints")
     async def delete_checkpoints(req: RetentionRequest) -> dict[str, list[int]]:

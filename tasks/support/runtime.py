@@ -37,6 +37,28 @@ class Runtime:
         self.api_key = os.environ.get(config.inference.api_key_env) or None
         self.base_urls: list[str] = []
         self.base_model_name: str | None = None
+        self._tracker = None
+
+    # ---- tracking ----------------------------------------------------------------------------
+    def tracker(self):
+        """The run's experiment trackers (agents/tracking/), opened on first use by the process that trains."""
+        with self._lock:
+            if self._tracker is None:
+                from agents.tracking import RunTracker
+
+                self._tracker = RunTracker(self.config.tracking, project=self.config.project, run=self.config.run,
+                                           run_url=self.store.url, run_config=self.config.model_dump(mode="json"))
+            return self._tracker
+
+    def traced_rollout(self):
+        """The agent's rollout; a Weave op when ``tracking.weave`` is configured."""
+        from agents.tracking.weave_ops import init_weave, traced
+
+        weave = self.config.tracking.weave if self.config.tracking else None
+        if weave is None:
+            return self.agent.rollout
+        init_weave(weave.project or self.config.project)
+        return traced(self.agent.rollout, "rollout")
 
     # ---- inference -------------------------------------------------------------------------
     def ensure_server(self) -> str:
@@ -156,6 +178,9 @@ class Runtime:
 
     def close(self) -> None:
         with self._lock:
+            if self._tracker is not None:
+                self._tracker.finish()
+                self._tracker = None
             self._stop_servers()
 
 

@@ -23,17 +23,16 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from agents.secrets import environment_secrets, redact
 
 log = logging.getLogger(__name__)
 
 DROPPED_KEYS = frozenset({"token_ids", "prompt_token_ids", "logprobs", "top_logprobs"})
 MAX_STRING = 20_000
-REDACTED = "[redacted]"
-_SECRET_NAME = re.compile(r"API_KEY|SECRET|TOKEN|PASSWORD", re.IGNORECASE)
 
 
 def _seed_id(seed: str, n_bytes: int = 16) -> str:
@@ -55,9 +54,7 @@ def langfuse_configured(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _environment_secrets(env: Mapping[str, str]) -> list[str]:
-    found = {env.get("LANGFUSE_PUBLIC_KEY", ""), env.get("LANGFUSE_SECRET_KEY", "")}
-    found |= {v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 8}
-    return sorted((s for s in found if s), key=len, reverse=True)
+    return environment_secrets(env, also=(env.get("LANGFUSE_PUBLIC_KEY", ""), env.get("LANGFUSE_SECRET_KEY", "")))
 
 
 class Redactor:
@@ -67,9 +64,7 @@ class Redactor:
         self._secrets = [s for s in secrets if s]
 
     def text(self, value: str) -> str:
-        for secret in self._secrets:
-            if secret in value:
-                value = value.replace(secret, REDACTED)
+        value = redact(value, self._secrets)
         return value if len(value) <= MAX_STRING else value[:MAX_STRING] + f"... [{len(value) - MAX_STRING} chars cut]"
 
     def __call__(self, data: Any = None, **kwargs: Any) -> Any:  # also Langfuse's ``mask(data=...)``

@@ -1,7 +1,9 @@
-"""ART's cheat-sheet loop, verbatim but for imports, on tiny-random with LocalBackend on the CPU.
+"""ART's older cheat-sheet loop (`model.train(groups, config=TrainConfig(...))`), verbatim but for imports, on
+tiny-random with LocalBackend on the CPU; it still works and warns that ART deprecated it.
 
-Also: resume in a new process from storage, max_exceptions within and beyond the limit, the
-README's "Coming from ART" snippet, and RemoteBackend against a real `trajflow backend serve`.
+Also: max_exceptions within and beyond the limit, and the README's "Coming from ART" snippet run as written. The
+current form (iterate_dataset, backend.train), resuming in a new process, forking and RemoteBackend against a real
+`trajflow backend serve` are in test_art_current_api.py.
 """
 
 from __future__ import annotations
@@ -9,17 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agents import GatherError, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup, gather_trajectory_groups
-from backends import LocalBackend, RemoteBackend
+from backends import LocalBackend
 from storage.store import RunStore
 from tests.paths import REPO
 
@@ -38,28 +36,6 @@ async def rollout(model, scenario):
     return traj
 '''
 
-CHEAT_SHEET = '''
-import asyncio, sys
-from agents import TrainableModel, Trajectory, TrajectoryGroup, TrainConfig, gather_trajectory_groups
-from backends import LocalBackend
-
-NUM_STEPS, GROUP_SIZE = int(sys.argv[2]), 3
-scenarios = ["What is 2+2?", "Name a colour."]
-''' + ROLLOUT + '''
-async def main():
-    model = TrainableModel(name="agent-001", project="my-agent", base_model="tiny-random")
-    backend = LocalBackend(storage=sys.argv[1])
-    await model.register(backend)
-    for step in range(await model.get_step(), NUM_STEPS):
-        groups = await gather_trajectory_groups(
-            (TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in scenarios))
-        await model.train(groups, config=TrainConfig(learning_rate=1e-5))
-    print("final step", await model.get_step())
-    backend.close()
-
-asyncio.run(main())
-'''
-
 exec(ROLLOUT)  # the same rollout the scripts run, defined here as `rollout`
 
 
@@ -73,7 +49,8 @@ def test_cheat_sheet_loop_trains_commits_and_serves_latest(tmp_path, tiny_model_
             for step in range(await model.get_step(), NUM_STEPS):
                 groups = await gather_trajectory_groups(
                     TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in SCENARIOS)
-                result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
+                with pytest.warns(DeprecationWarning, match=r"backend\.train\(model, groups, learning_rate"):
+                    result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
                 assert result.step == step + 1
                 # published through the trainer's probe record: all greedy tokens agree, float32 tolerance
                 assert result.metrics["publish/probe_common_prefix"] == 16.0
@@ -109,19 +86,6 @@ def run_script(launcher, argv: list[str], env: dict, cwd: Path, out_dir: Path) -
     return code, out.read_text(), err.read_text()
 
 
-def test_resume_in_a_new_process(tmp_path, fork_launcher):
-    script = tmp_path / "loop.py"
-    script.write_text(CHEAT_SHEET)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code, out, err = run_script(fork_launcher, [str(script), str(tmp_path / "runs"), "1"], env, REPO, tmp_path)
-    assert code == 0, err[-3000:]
-    assert "final step 1" in out
-    code, out, err = run_script(fork_launcher, [str(script), str(tmp_path / "runs"), "3"], env, REPO, tmp_path)
-    assert code == 0, err[-3000:]
-    assert "final step 3" in out
-    assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").committed_steps() == [0, 1, 2, 3]
-
-
 def test_max_exceptions_within_and_beyond_the_limit():
     async def ok():
         return Trajectory(reward=1.0)
@@ -149,18 +113,27 @@ def test_max_exceptions_within_and_beyond_the_limit():
     asyncio.run(main())
 
 
-def test_readme_coming_from_art_snippet_runs(tmp_path, fork_launcher):
-    """The README's loop, as written, with the model swapped for tiny-random to fit CI."""
+def test_readme_coming_from_art_snippet_runs(tmp_path, fork_launcher, judge_server):
+    """The README's loop (ART's current form, RULER scoring), as written, with the model swapped for tiny-random to fit
+    CI and the judge for a scripted one."""
+    from tests.fixtures_judge import answer_key_judge
+
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Coming from ART"):]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert "backend.train(model, groups, learning_rate=" in code and "iterate_dataset(" in code
     code = code.replace('base_model="smollm2-135m"', 'base_model="tiny-random"')
+    code = code.replace('base_url="https://api.openai.com/v1"', f'base_url="{judge_server.base_url}"')
+    judge_server.script(*[answer_key_judge("4")] * 6)  # 3 steps of 2 groups
     script = tmp_path / "readme_loop.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJFLOW_STORAGE": str(tmp_path / "runs")}
     code, _, err = run_script(fork_launcher, [str(script)], env, tmp_path, tmp_path)
     assert code == 0, err[-3000:]
-    assert RunStore(str(tmp_path / "runs"), "my-agent", "agent-001").latest_step() == 3
+    store = RunStore(str(tmp_path / "runs"), "my-agent", "agent-001")
+    assert store.latest_step() == 3 and len(judge_server.chat_requests) == 6
+    assert all("ruler_score" in t.metrics for g in store.read_groups(3, "scored.parquet") for t in g.trajectories)
+    assert "val/reward" in store.read_manifest(3).metrics
     assert f"my-agent/agent-001: at step 0 (the untrained policy) in {tmp_path / 'runs'}/my-agent/agent-001" in err
     # run again, finished: it says where the run is and why the loop has nothing to do
     code, _, err = run_script(fork_launcher, [str(script)], env, tmp_path, tmp_path)
@@ -175,45 +148,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_remote_backend_against_trajflow_backend_serve(tmp_path, fork_launcher):
-    port = _free_port()
-    env = {**os.environ, "TRAJFLOW_BACKEND_API_KEY": "k-remote-123"}
-    log = tmp_path / "serve.log"
-    pid = fork_launcher.start(["-m", "flows.cli", "backend", "serve", "--storage", str(tmp_path / "store"),
-                               "--port", str(port), "--device", "cpu"], env, REPO, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("backend did not start: " + log.read_text()[-3000:])
-        assert httpx.post(url + "/backend/step", json={"project": "p", "name": "n"}).status_code == 401
-
-        async def main():
-            backend = RemoteBackend(url, api_key="k-remote-123")
-            model = TrainableModel(name="remote-001", project="my-agent", base_model="tiny-random")
-            await model.register(backend)
-            assert await model.get_step() == 0
-            groups = await gather_trajectory_groups(
-                (TrajectoryGroup(rollout(model, s) for _ in range(GROUP_SIZE)) for s in SCENARIOS), pbar_desc=None)
-            result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
-            assert result.step == 1 and "train/reward" in result.metrics
-            assert await model.get_step() == 1
-            await backend.close()
-
-        asyncio.run(main())
-        assert RunStore(str(tmp_path / "store"), "my-agent", "remote-001").committed_steps() == [0, 1]
-    finally:
-        os.killpg(pid, signal.SIGTERM)
-        try:
-            fork_launcher.wait(pid, timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(pid, signal.SIGKILL)
-            fork_launcher.wait(pid, timeout=20)

@@ -16,10 +16,14 @@ def _config(tmp_path, **overrides):
     return load_config("configs/tiny.yaml", sets)
 
 
-def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_path):
+def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_path, monkeypatch):
     from flows.train import train
+    from tests.fixtures_tracking import trackio_logs, trackio_runs, wandb_offline_runs
 
-    config = _config(tmp_path, eval_every=2, eval_at_start="true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    trackio_project = f"flow-{tmp_path.name}"
+    config = _config(tmp_path, eval_every=2, eval_at_start="true", **{"tracking.wandb.mode": "offline",
+                                                                      "tracking.trackio.project": trackio_project})
     result = train(config)
     store = RunStore(config.storage, config.project, config.run)
     assert store.committed_steps() == [0, 1, 2] and result["step"] == 2
@@ -34,6 +38,16 @@ def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_pat
     assert train(config)["step"] == 2
     assert train(config.model_copy(update={"steps": 3}))["step"] == 3
     assert store.committed_steps() == [0, 1, 2, 3]
+    # tracked: one W&B run (resumed by its id, not duplicated) and one Trackio run, every committed step at x = step
+    runs = wandb_offline_runs(tmp_path / "wandb")
+    assert len(runs) == 2 and len({r.run_id for r in runs}) == 1 and runs[0].name == "tiny"
+    assert runs[0].config["trainer"]["learning_rate"] == config.trainer.learning_rate
+    rows = [row for r in runs for row in r.history]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert rows[3]["train/reward"] == store.read_manifest(3).metrics["train/reward"]
+    assert rows[1]["trajectories/_type"] == "table-file" and rows[1]["trajectories/nrows"] == 4  # of 2 x 3
+    assert trackio_runs(trackio_project) == ["tiny"]
+    assert [row["step"] for row in trackio_logs(trackio_project, "tiny")] == [0, 1, 2, 3]
 
 
 def test_changed_identity_is_refused(prefect_api, tmp_path, tiny_model_path):

@@ -93,6 +93,23 @@ CASES = [
      "deployment 'fast': PREFECT_FLOWS_HEARTBEAT_FREQUENCY='5' is not accepted by Prefect"),
     ("deploy home relative", ["deploy", "--home", "checkout"], 2,
      "TRAJFLOW_HOME must be an absolute path (the checkout on the worker hosts), got 'checkout'"),
+    ("tracking key misspelt", ["train", "--set", "tracking.wandb.projet=x"], 2,
+     "tracking.wandb.projet: unknown key; did you mean tracking.wandb.project?"),
+    ("tracking credentials in the config", ["train", "--set", "tracking.wandb.api_key=k-123"], 2,
+     "tracking.wandb.api_key: unknown key"),
+    ("tracking wandb mode", ["train", "--set", "tracking.wandb.mode=offlin"], 2,
+     "tracking.wandb.mode: input should be 'online', 'offline' or 'disabled'"),
+    ("tracking project with a slash", ["train", "--set", "tracking.trackio.project=a/b"], 2,
+     "tracking.trackio.project: string should match pattern"),
+    ("fork step not a number", ["fork", "tiny@x", "new", "--project", "ci", "--storage", "{tmp}/runs"], 2,
+     "SRC_RUN[@STEP]: the step after '@' must be a number, got 'x'"),
+    ("fork source not committed", ["fork", "tiny", "new", "--project", "ci", "--storage", "{tmp}/runs"], 2,
+     "run ci/tiny in {tmp}/runs has no committed step to fork from"),
+    ("fork source escapes", ["fork", "../x", "new", "--storage", "{tmp}/runs"], 2, "invalid run name '../x'"),
+    ("fork new run with a slash", ["fork", "tiny", "a/b", "--project", "ci", "--storage", "{tmp}/runs"], 2,
+     "invalid run name 'a/b'"),
+    ("fork into itself", ["fork", "tiny@1", "tiny", "--project", "ci", "--storage", "{tmp}/runs"], 2,
+     "cannot fork run ci/tiny into itself"),
 ]
 
 

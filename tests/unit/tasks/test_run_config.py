@@ -173,5 +173,5 @@ def test_the_form_starts_with_the_knobs_most_people_change():
     trainer = list(_prefect_form_schema()["definitions"]["TrainerConfig"]["properties"])
     assert trainer[0] == "learning_rate"
     # the internals come last, each a section of its own
-    assert properties[-4:] == ["rollouts", "inference", "training", "retention"]
+    assert properties[-5:] == ["rollouts", "inference", "training", "retention", "tracking"]
     assert set(properties) == set(RunConfig.model_fields)  # reordered, none renamed
