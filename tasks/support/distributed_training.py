@@ -17,6 +17,12 @@ storage. Which failure it was comes from the records the ranks leave in RECORDS_
 exception there (a rank whose collective failed because another one stopped writes that, as ``PeerLostError``); if
 no rank recorded an error of its own, one was killed by a signal (out of memory, preemption, a kill), which is
 transient (:class:`RankLostError`, retried).
+
+The ranks do not outlive the process that launched them: each one watches its pid (``TRAJFLOW_TRAINING_PARENT``)
+and exits at once when it is gone. A flow killed with SIGKILL mid-update would otherwise leave torchrun and its
+ranks running, still writing the step, while the resumed flow starts the same update again; exiting before
+``training.json`` leaves nothing the resumed update takes for done (files are written under temporary names and
+renamed, so a write cut short is never seen).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,9 @@ log = logging.getLogger("trajflow")
 
 ERROR_RECORD = "rank-{rank}.error.json"
 OUTPUT_TAIL_LINES = 30
+PARENT_ENV = "TRAJFLOW_TRAINING_PARENT"
+PARENT_POLL_S = 0.5
+ORPHANED_EXIT = 75  # EX_TEMPFAIL: the launcher is gone, nothing of the step was finished by this rank
 
 
 class RankLostError(TransientError):
@@ -78,7 +88,7 @@ def train_distributed(config: RunConfig, step: int) -> None:
     processes = 1 if step == 0 else config.training.gpus
     device, visible = rank_devices(resolve_device(config.training.device), processes,
                                    os.environ.get("CUDA_VISIBLE_DEVICES"))
-    env = dict(os.environ)
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     with tempfile.TemporaryDirectory(prefix="trajflow-torchrun-") as tmp:
@@ -115,6 +125,31 @@ def _failure(step: int, processes: int, records: Path, tail: list[str]) -> Excep
 
 
 # ---- the rank side -------------------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def exit_when_gone(pid: int, exit=os._exit, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """A daemon thread that calls ``exit(ORPHANED_EXIT)`` once process `pid` no longer exists."""
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(poll_s)
+        logging.getLogger("trajflow").error("the process that launched this training rank (pid %d) is gone: "
+                                            "exiting without finishing the step", pid)
+        exit(ORPHANED_EXIT)
+
+    thread = threading.Thread(target=watch, name="trajflow-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def _run_rank(config: RunConfig, step: int, rank: int) -> None:
     from backends.modeling.devices import resolve_device
     from backends.policy.checkpoints import initialize, load_checkpoint, train_step
@@ -147,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank " + os.environ.get("RANK", "?") + " %(message)s")
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get(PARENT_ENV):
+        exit_when_gone(int(os.environ[PARENT_ENV]))
     try:
         _run_rank(RunConfig.model_validate_json(args.config_file.read_text()), args.step, rank)
     except Exception as exc:
