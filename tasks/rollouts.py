@@ -203,7 +203,8 @@ def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> 
                                   f"rollouts step {step} ({policy})", storage_step=step, policy_step=policy_step))
 
 
-@task(name="rollouts", cache_key_fn=sampled_cache_key_fn("rollouts"), retries=3, retry_delay_seconds=[2, 10, 30],
+@task(name="rollouts", task_run_name="rollouts-step-{step}", cache_key_fn=sampled_cache_key_fn("rollouts"), retries=3,
+      retry_delay_seconds=[2, 10, 30],
       retry_condition_fn=retry_condition, persist_result=True)
 def run_rollouts(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
     return run_rollouts_fn(config, step, scenarios)
