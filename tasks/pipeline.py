@@ -54,7 +54,7 @@ class RolloutsAhead:
             if later not in self._futures:
                 self._futures[later] = self._rollouts.submit(self.config, later, self.scenarios(later))
                 if later > step:
-                    log.info("rollouts of step %d started while step %d trains", later, step)
+                    log.info("rollouts of step %d run ahead, beside step %d", later, step)
         self._scenarios.pop(step - 1, None)
         return self._futures.pop(step).result()
 
