@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import task
@@ -45,6 +46,7 @@ from tasks.support.tracing import get_tracer
 log = logging.getLogger("trajflow")
 
 PREEMPTION_POLL_S = 0.2  # how soon a SIGTERM stops the rollouts: well inside any grace period
+READ_THREADS = 16  # group files read at once when a step's groups are read back
 
 
 class RolloutFailures(RuntimeError):
@@ -186,11 +188,13 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
 
 def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[TrajectoryGroup]:
+    """The groups stored under `paths`, in order; the files are read concurrently (one round trip on S3, not one
+    per group)."""
     store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
-    groups: list[TrajectoryGroup] = []
-    for path in paths:
-        groups.extend(store.read_groups(step, path))
-    return groups
+    if not paths:
+        return []
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(paths))) as pool:
+        return [group for groups in pool.map(lambda path: store.read_groups(step, path), paths) for group in groups]
 
 
 def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:

@@ -193,14 +193,14 @@ class RunConfig(BaseModel):
     rewards: RewardConfig = Field(default_factory=RewardConfig,
                                   description="reward component weights and how a judge score combines with them")
     judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="rollouts of later steps overlapping training (async, off-policy)")
     rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
     retention: RetentionConfig = Field(default_factory=RetentionConfig, description="checkpoint retention")
     tracking: TrackingConfig | None = Field(default=None, description="experiment trackers (W&B, Trackio, Weave); "
                                             "None: none")
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
-                                     description="rollouts of later steps overlapping training (async, off-policy)")
 
     # What a run IS: continuing a stored run under other values would mix two experiments under one name. Of the
     # trainer, only TrainerConfig.IDENTITY_FIELDS count (see check_run_identity).
