@@ -239,35 +239,27 @@ def report(args, runs: list[dict], out: Path) -> dict:
 
 def _plot(by_k: dict, names: dict) -> bytes:
     """Validation reward vs wall time since step 0 (left) and vs step (right), one line per run."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from tasks.support.reporting import chart_png
 
     colours = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    try:
+
+    def draw(axes) -> None:
+        by_time, by_step = axes
         for i, (k, group) in enumerate(by_k.items()):
             for j, run in enumerate(group):
                 evals = [s for s in run["steps"] if "val/reward" in s]
                 label = names.get(k, f"k{k}") if j == 0 else None
-                by_time.plot([s["since_step0_s"] / 60 for s in evals], [s["val/reward"] for s in evals], "o-",
-                             color=colours[i % 4], alpha=0.7, label=label)
-                by_step.plot([s["step"] for s in evals], [s["val/reward"] for s in evals], "o-",
-                             color=colours[i % 4], alpha=0.7, label=label)
+                rewards = [s["val/reward"] for s in evals]
+                style = {"color": colours[i % 4], "alpha": 0.7, "label": label}
+                by_time.plot([s["since_step0_s"] / 60 for s in evals], rewards, "o-", **style)
+                by_step.plot([s["step"] for s in evals], rewards, "o-", **style)
         by_time.set(xlabel="wall time since step 0 (min)", ylabel="val reward", title="val reward vs wall time")
         by_step.set(xlabel="step", ylabel="val reward", title="val reward vs step")
-        for ax in (by_time, by_step):
+        for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend()
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
-        plt.close(fig)
-    return buf.getvalue()
+
+    return chart_png(draw, figsize=(11, 4), ncols=2)
 
 
 def _fmt(value, digits=3) -> str:

@@ -10,9 +10,12 @@ tiny-random trainer, for 8 groups x 8 rollouts per step. Per step:
 
 Median over the steps after the first, for local storage and S3 (moto server on 127.0.0.1), for the synchronous
 loop (``pipeline.max_off_policy_steps=0``, the figures in ``summary``) and for the async pipeline at k=1, where
-the next step's rollouts run while the current one trains. ``--baseline FILE`` copies another run of this script
-(e.g. the previous commit's, run back to back on the same machine) into ``before``; the file written earlier to
-``--out`` is kept there too. ``--profile DIR`` runs each flow under cProfile (``DIR/<storage>-k<k>.prof``).
+the next step's rollouts run while the current one trains. On a machine shared with other work the per-step
+figures swing by seconds, so runs are pooled: ``--baseline FILE...`` are runs of the code before (e.g. the previous
+commit's script, run alternately with this one), kept under ``before`` with the median over all their steps;
+``--also FILE...`` are earlier runs of this code, pooled with this run into ``summary`` (medians over every steady
+step of every run; ``*_min`` the least, the figure least disturbed by other work). The file written earlier to
+``--out`` is kept under ``before`` too. ``--profile DIR`` runs each flow under cProfile (``DIR/<storage>-k<k>.prof``).
 
     .venv/bin/python benchmarks/orchestration.py --steps 5 --out benchmarks/results/orchestration.json
 """
@@ -87,11 +90,26 @@ def measure(kind: str, root: str, stub, steps: int, env: dict, k: int, profile_d
     return {"wall_s": wall, "steps": rows, **summarize(rows)}
 
 
+def pooled(runs: list[dict], kinds: tuple[str, ...]) -> dict:
+    """Medians (and minima) per storage kind over the steady steps (2..) of every run; `runs` of the old format
+    (no commit gaps) give only overhead figures."""
+    out: dict = {"runs_pooled": len(runs)}
+    for kind in kinds:
+        rows = [r for run in runs if kind in run for r in run[kind]["steps"][1:]]
+        for field, key in (("overhead_s", "overhead_s"), ("commit_gap_s", "commit_gap_s")):
+            values = [r[key] for r in rows if key in r]
+            if values:
+                out[f"{field}_{kind}"] = statistics.median(values)
+                out[f"{field}_{kind}_min"] = min(values)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/orchestration.json")
-    parser.add_argument("--baseline", default=None, help="another run's results file, kept under before")
+    parser.add_argument("--baseline", nargs="*", default=[], help="runs of the code before, pooled under before")
+    parser.add_argument("--also", nargs="*", default=[], help="earlier runs of this code, pooled into summary")
     parser.add_argument("--profile", default=None, metavar="DIR", help="write a cProfile of each flow run here")
     parser.add_argument("--realistic-step-s", type=float, default=None,
                         help="wall time of a realistic step to compare with (e.g. the main job's)")
@@ -106,10 +124,8 @@ def main() -> int:
             "overhead_s_local": previous["local"]["overhead_median_s"], "overhead_s_s3": previous["s3"]["overhead_median_s"],
             "date": previous["environment"]["date"], "load_average_after": previous["environment"]["load_average_after"]}
     if args.baseline:
-        base = json.loads(Path(args.baseline).read_text())
-        before["baseline"] = {"file": args.baseline, "overhead_s_local": base["local"]["overhead_median_s"],
-                              "overhead_s_s3": base["s3"]["overhead_median_s"], "environment": base["environment"],
-                              "local": base["local"], "s3": base["s3"]}
+        bases = [json.loads(Path(f).read_text()) for f in args.baseline]
+        before["baseline"] = {**pooled(bases, ("local", "s3")), "runs": bases}
     stub = StubPolicyServer()
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     results: dict = {"config": {"groups_per_step": GROUPS, "group_size": GROUP_SIZE, "steps": args.steps,
@@ -147,18 +163,14 @@ def main() -> int:
                               "load_average_before": load_before, "load_average_after": os.getloadavg(),
                               "prefect": prefect.__version__, "torch": torch.__version__,
                               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+    others = [json.loads(Path(f).read_text()) for f in args.also]
     results["summary"] = {
-        "overhead_s_local": results["local"]["overhead_median_s"],
-        "overhead_s_s3": results["s3"]["overhead_median_s"],
-        "overhead_s_local_k1": results["local_k1"]["overhead_median_s"],
-        "overhead_s_s3_k1": results["s3_k1"]["overhead_median_s"],
-        "commit_gap_s_local": results["local"]["commit_gap_median_s"],
-        "commit_gap_s_s3": results["s3"]["commit_gap_median_s"],
-        "commit_gap_s_local_k1": results["local_k1"]["commit_gap_median_s"],
-        "commit_gap_s_s3_k1": results["s3_k1"]["commit_gap_median_s"],
-        "definition": "median over steps 2.. of time/step_s - train/update_s (commit_gap: commit to commit, minus "
-                      "update); k1: pipeline.max_off_policy_steps=1",
+        **pooled([results, *others], ("local", "s3", "local_k1", "s3_k1")),
+        "definition": "medians over steps 2.. of every pooled run of time/step_s - train/update_s (overhead_s_*), of "
+                      "commit-to-commit time minus train/update_s (commit_gap_s_*); *_min: the least; k1: "
+                      "pipeline.max_off_policy_steps=1",
     }
+    results["also"] = others
     results["before"] = before
     results["realistic_step_s"] = args.realistic_step_s
     results["command"] = "python benchmarks/orchestration.py " + " ".join(sys.argv[1:])
