@@ -21,10 +21,12 @@ prints its time/rollouts_s and time/train_s per step to check. Runs are resumabl
 is kept as ``<out>-runs/k<k>-seed<s>.json`` and skipped later, and ``--budget-s`` stops starting new runs after
 that long, so the whole grid fits in calls of ten minutes; the report (``<out>.json`` with a top-level
 ``summary``, ``<out>.md``, ``<out>.png``: validation reward vs wall time and vs step) is written once every run
-is there (or with ``--report`` from what is there).
+is there (or with ``--report`` from what is there). ``--runs-dir`` keeps the finished runs elsewhere (a folder that
+outlives the calls, when ``--out`` does not).
 
     # the H200 (flow wheels installed as in benchmarks/results/flow-h200.md), repeated until it says "report written":
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/async_pipeline.py --budget-s 500 --out benchmarks/results/async-h200
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/async_pipeline.py --budget-s 500 --runs-dir /tmp/async-h200-runs \
+        --out benchmarks/results/async-h200
     # CPU check that it runs end to end (tiny-random, 3 steps, one seed; no GPU figures):
     .venv/bin/python benchmarks/async_pipeline.py --smoke --out /tmp/async-smoke
 """
@@ -306,6 +308,7 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--set", action="append", default=[], help="more RunConfig overrides, key=value")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
+    parser.add_argument("--runs-dir", default=None, help="where finished runs are kept (default: <out>-runs)")
     parser.add_argument("--report", action="store_true", help="write the report from the runs there are")
     parser.add_argument("--smoke", action="store_true", help="CPU check: tiny-random, 3 steps, 2x2 rollouts, seed 0")
     args = parser.parse_args()
@@ -313,7 +316,8 @@ def main() -> int:
         args.config, args.steps, args.groups, args.group_size, args.eval_every = "configs/tiny.yaml", 3, 2, 2, 1
         args.seeds = [0] if args.seeds == [0, 1, 2] else args.seeds
     out = Path(args.out)
-    runs_dir = Path(f"{args.out}-runs")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(args.runs_dir or f"{args.out}-runs")
     runs_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     todo = [(k, s) for s in args.seeds for k in args.ks if not (runs_dir / f"k{k}-seed{s}.json").exists()]
