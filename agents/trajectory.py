@@ -226,6 +226,9 @@ class TrajectoryGroup(BaseModel):
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[RecordedException] = Field(default_factory=list)
     scenario_id: str | None = Field(default=None, description="the scenario all trajectories answered")
+    policy_step: int | None = Field(
+        default=None, ge=0, description="the step of the policy that sampled it (`<run>@<step>`); None when unknown "
+        "(a script's group, or one stored before this field existed)")
     metadata: dict[str, Scalar] = Field(default_factory=dict)
     metrics: dict[str, float | int | bool] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
@@ -272,7 +275,9 @@ class TrajectoryGroup(BaseModel):
         return self.gather().__await__()
 
     def to_json_dict(self) -> dict[str, Any]:
-        data = self.model_dump(mode="json", exclude={"trajectories"})
+        # a group of unknown sampling step dumps as groups did before the field existed (stored JSON compares equal)
+        data = self.model_dump(mode="json", exclude={"trajectories"} | ({"policy_step"} if self.policy_step is None
+                                                                          else set()))
         data["trajectories"] = [t.to_json_dict() for t in self.trajectories]
         return data
 

@@ -2,14 +2,22 @@
 
 The training flow runs for real (Prefect tasks with persisted results, run store, Parquet groups,
 checkpoint upload, publish, commit, artifacts) against an instant stub policy server, with the
-tiny-random model as the trainer, for 8 groups x 8 rollouts per step. Per step:
+tiny-random trainer, for 8 groups x 8 rollouts per step. Per step:
 
-    overhead = time/step_s - train/update_s           (the stub makes generation ~free)
+    overhead   = time/step_s - train/update_s     (the stub makes generation ~free; what the issue's figures measure)
+    commit_gap = (commit time of step s - commit time of step s-1) - train/update_s
+                                                   (also counts the commit, retention and artifacts after the stages)
 
-reported for local storage and S3 (moto server on 127.0.0.1), and compared with the step time of
-the main job (SmolLM2-135M on this CPU) if ``--realistic-step-s`` is given or found in a stored run.
+Median over the steps after the first, for local storage and S3 (moto server on 127.0.0.1), for the synchronous
+loop (``pipeline.max_off_policy_steps=0``, the figures in ``summary``) and for the async pipeline at k=1, where
+the next step's rollouts run while the current one trains. On a machine shared with other work the per-step
+figures swing by seconds, so runs are pooled: ``--baseline FILE...`` are runs of the code before (e.g. the previous
+commit's script, run alternately with this one), kept under ``before`` with the median over all their steps;
+``--also FILE...`` are earlier runs of this code, pooled with this run into ``summary`` (medians over every steady
+step of every run; ``*_min`` the least, the figure least disturbed by other work). The file written earlier to
+``--out`` is kept under ``before`` too. ``--profile DIR`` runs each flow under cProfile (``DIR/<storage>-k<k>.prof``).
 
-    .venv/bin/python benchmarks/orchestration.py --steps 4 --out benchmarks/results/orchestration.json
+    .venv/bin/python benchmarks/orchestration.py --steps 5 --out benchmarks/results/orchestration.json
 """
 
 from __future__ import annotations
@@ -23,18 +31,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+GROUPS, GROUP_SIZE = 8, 8
 
-def run_flow(root: str, policy_url: str, steps: int, env: dict) -> float:
-    cmd = [sys.executable, "-m", "flows.train", "configs/tiny.yaml", "--set", f"storage={root}",
-           "--set", "run=orchestration", "--set", f"steps={steps}", "--set", "groups_per_step=8",
-           "--set", "group_size=8", "--set", "inference.backend=url", "--set", f"inference.url={policy_url}",
-           "--set", "inference.probe_tolerance=1000000", "--set", "rollouts.concurrency=64",
-           "--set", "retention.best_metric=null"]
+
+def run_flow(root: str, run: str, policy_url: str, steps: int, env: dict, k: int, profile: str | None) -> float:
+    cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "flows.train",
+           "configs/tiny.yaml", "--set", f"storage={root}", "--set", f"run={run}", "--set", f"steps={steps}",
+           "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}", "--set", "inference.backend=url",
+           "--set", f"inference.url={policy_url}", "--set", "inference.probe_tolerance=1000000",
+           "--set", "rollouts.concurrency=64", "--set", "retention.best_metric=null",
+           "--set", f"pipeline.max_off_policy_steps={k}"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -42,39 +54,87 @@ def run_flow(root: str, policy_url: str, steps: int, env: dict) -> float:
     return time.perf_counter() - started
 
 
-def step_overheads(root: str) -> list[dict]:
+def _commit_time(manifest) -> float:
+    return datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
+
+
+def step_overheads(root: str, run: str) -> list[dict]:
     from storage.store import RunStore
 
-    store = RunStore(root, "ci", "orchestration")
+    manifests = RunStore(root, "ci", run).manifests()
     rows = []
-    for step in store.committed_steps():
+    for step, manifest in manifests.items():
         if step == 0:
             continue
-        m = store.read_manifest(step).metrics
-        rows.append({"step": step, "step_s": m["time/step_s"], "update_s": m.get("train/update_s", 0.0),
-                     "overhead_s": m["time/step_s"] - m.get("train/update_s", 0.0),
+        m = manifest.metrics
+        update = m.get("train/update_s", 0.0)
+        gap = _commit_time(manifest) - _commit_time(manifests[step - 1])
+        rows.append({"step": step, "step_s": m["time/step_s"], "update_s": update,
+                     "overhead_s": m["time/step_s"] - update, "commit_gap_s": gap - update,
                      **{k: v for k, v in m.items() if k.startswith("time/")}})
     return rows
 
 
+def summarize(rows: list[dict]) -> dict:
+    steady = rows[1:] or rows
+    return {"overhead_median_s": statistics.median(r["overhead_s"] for r in steady),
+            "commit_gap_median_s": statistics.median(r["commit_gap_s"] for r in steady)}
+
+
+def measure(kind: str, root: str, stub, steps: int, env: dict, k: int, profile_dir: str | None) -> dict:
+    run = f"orchestration-k{k}"
+    profile = f"{profile_dir}/{kind}-k{k}.prof" if profile_dir else None
+    wall = run_flow(root, run, stub.base_url, steps, env, k, profile)
+    rows = step_overheads(root, run)
+    print(f"{kind} k={k}: {summarize(rows)}", flush=True)
+    return {"wall_s": wall, "steps": rows, **summarize(rows)}
+
+
+def pooled(runs: list[dict], kinds: tuple[str, ...]) -> dict:
+    """Medians (and minima) per storage kind over the steady steps (2..) of every run; `runs` of the old format
+    (no commit gaps) give only overhead figures."""
+    out: dict = {"runs_pooled": len(runs)}
+    for kind in kinds:
+        rows = [r for run in runs if kind in run for r in run[kind]["steps"][1:]]
+        for field, key in (("overhead_s", "overhead_s"), ("commit_gap_s", "commit_gap_s")):
+            values = [r[key] for r in rows if key in r]
+            if values:
+                out[f"{field}_{kind}"] = statistics.median(values)
+                out[f"{field}_{kind}_min"] = min(values)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/orchestration.json")
+    parser.add_argument("--baseline", nargs="*", default=[], help="runs of the code before, pooled under before")
+    parser.add_argument("--also", nargs="*", default=[], help="earlier runs of this code, pooled into summary")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write a cProfile of each flow run here")
     parser.add_argument("--realistic-step-s", type=float, default=None,
                         help="wall time of a realistic step to compare with (e.g. the main job's)")
     args = parser.parse_args()
 
     from benchmarks.stub_policy import StubPolicyServer
 
+    before = {}
+    if Path(args.out).exists():
+        previous = json.loads(Path(args.out).read_text())
+        before["previous_file"] = previous.get("summary") or {
+            "overhead_s_local": previous["local"]["overhead_median_s"], "overhead_s_s3": previous["s3"]["overhead_median_s"],
+            "date": previous["environment"]["date"], "load_average_after": previous["environment"]["load_average_after"]}
+    if args.baseline:
+        bases = [json.loads(Path(f).read_text()) for f in args.baseline]
+        before["baseline"] = {**pooled(bases, ("local", "s3")), "runs": bases}
     stub = StubPolicyServer()
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
-    results: dict = {"config": {"groups_per_step": 8, "group_size": 8, "steps": args.steps,
+    results: dict = {"config": {"groups_per_step": GROUPS, "group_size": GROUP_SIZE, "steps": args.steps,
                                 "trainer_model": "tiny-random", "policy": "instant stub server"}}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         env_local = {**env, "PREFECT_HOME": f"{tmp}/home-local"}
-        wall = run_flow(f"{tmp}/runs", stub.base_url, args.steps, env_local)
-        results["local"] = {"wall_s": wall, "steps": step_overheads(f"{tmp}/runs")}
+        results["local"] = measure("local", f"{tmp}/runs", stub, args.steps, env_local, 0, args.profile)
+        results["local_k1"] = measure("local", f"{tmp}/runs", stub, args.steps, env_local, 1, args.profile)
 
         from moto.server import ThreadedMotoServer
 
@@ -88,27 +148,35 @@ def main() -> int:
         boto3.client("s3", endpoint_url=env_s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
                      aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench-runs")
         os.environ.update({k: v for k, v in env_s3.items() if k.startswith("AWS_")})
-        wall = run_flow("s3://bench-runs/runs", stub.base_url, args.steps, env_s3)
-        results["s3"] = {"wall_s": wall, "steps": step_overheads("s3://bench-runs/runs")}
+        results["s3"] = measure("s3", "s3://bench-runs/runs", stub, args.steps, env_s3, 0, args.profile)
+        results["s3_k1"] = measure("s3", "s3://bench-runs/runs", stub, args.steps, env_s3, 1, args.profile)
         moto.stop()
     stub.stop()
-    for kind in ("local", "s3"):
-        steady = [r["overhead_s"] for r in results[kind]["steps"][1:]] or [r["overhead_s"] for r in results[kind]["steps"]]
-        results[kind]["overhead_median_s"] = statistics.median(steady)
-        if args.realistic_step_s:
-            results[kind]["overhead_share_of_realistic_step"] = statistics.median(steady) / args.realistic_step_s
+    if args.realistic_step_s:
+        for kind in ("local", "s3"):
+            results[kind]["overhead_share_of_realistic_step"] = results[kind]["overhead_median_s"] / args.realistic_step_s
     import prefect
     import torch
     import transformers
 
     results["environment"] = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                              "load_average_after": os.getloadavg(),
+                              "load_average_before": load_before, "load_average_after": os.getloadavg(),
                               "prefect": prefect.__version__, "torch": torch.__version__,
                               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+    others = [json.loads(Path(f).read_text()) for f in args.also]
+    results["summary"] = {
+        **pooled([results, *others], ("local", "s3", "local_k1", "s3_k1")),
+        "definition": "medians over steps 2.. of every pooled run of time/step_s - train/update_s (overhead_s_*), of "
+                      "commit-to-commit time minus train/update_s (commit_gap_s_*); *_min: the least; k1: "
+                      "pipeline.max_off_policy_steps=1",
+    }
+    results["also"] = others
+    results["before"] = before
     results["realistic_step_s"] = args.realistic_step_s
     results["command"] = "python benchmarks/orchestration.py " + " ".join(sys.argv[1:])
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: results[k]["overhead_median_s"] for k in ("local", "s3")}, indent=2))
+    summary_first = {"summary": results.pop("summary"), **results}
+    Path(args.out).write_text(json.dumps(summary_first, indent=2))
+    print(json.dumps(summary_first["summary"], indent=2))
     return 0
 
 

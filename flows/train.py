@@ -11,6 +11,10 @@ flow at the next stage or between rollout groups, logs "preempted at step N", re
 Crashed (tasks/support/preemption.py). ``run.json`` is written
 once step 0 exists, so a first start that fails (a typo in base_model) leaves the run name free.
 
+Async pipeline (``pipeline.max_off_policy_steps`` = k > 0): the rollouts of step s are sampled by <run>@<max(0, s-1-k)>
+instead, so the rollouts of the next k steps run as submitted tasks while the current step trains
+(tasks/pipeline.py); the trainer refuses a group staler than the bound (backends/policy/staleness.py).
+
 Resume: the flow starts from the last committed step. Within an uncommitted step, every stage whose
 result was persisted (its Prefect cache record and its files live in the run's storage) is reused,
 and the rollout task re-runs only the groups that were not yet stored. The scenario cursor, LoRA init
@@ -39,10 +43,9 @@ from flows.preflight import check_run
 from flows.summary import json_result, train_summary
 from storage.lease import RunLease
 from tasks.evaluation import evaluate_policy
+from tasks.pipeline import RolloutsAhead
 from tasks.publish import publish_policy
-from tasks.rollouts import run_rollouts
 from tasks.run_config import RunConfig, check_run_identity
-from tasks.scenarios import sample_scenarios
 from tasks.scoring import score_groups
 from tasks.support.crash_points import crash_point
 from tasks.support.placement import describe as describe_placement
@@ -145,34 +148,36 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
         training = training_result(store, last)
         with_run_storage(publish_policy)(config, last, training)
         log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
-    for step in range(last + 1, config.steps + 1):
-        timer = StageTimer(before_stage=lambda stage, step=step: _safe_point(lease, step, stage))
-        with timer("sample"):
-            scenarios = with_run_storage(sample_scenarios)(config, step)
-        with timer("rollouts"):
-            rollouts = with_run_storage(run_rollouts)(config, step, scenarios)
-        with timer("score"):
-            scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
-        with timer("train"):
-            training = with_run_storage(train_policy)(config, step)
-        with timer("publish"):
-            publish = with_run_storage(publish_policy)(config, step, training)
-        metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
-        metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
-        if _evaluate_due(config, step):
-            with timer("evaluate"):
-                metrics.update(with_run_storage(evaluate_policy)(config, step))
-        metrics.update(timer.metrics())
-        crash_point("before-commit", step)
-        lease.check(fresh=True)
-        store.commit(step, metrics, extra={"policy": config.policy(step)})
-        track_step(config, step, metrics)
-        pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
-                                       config.retention.mode)
-        if pruned:
-            log.info("retention pruned checkpoints of steps %s", pruned)
-        publish_run_artifacts(store)
-        log.info("%s", format_step_line(step, metrics, config.policy(step)))
+    # with pipeline.max_off_policy_steps > 0 the rollouts of later steps run meanwhile (tasks/pipeline.py)
+    with RolloutsAhead(config, with_run_storage) as ahead:
+        for step in range(last + 1, config.steps + 1):
+            timer = StageTimer(before_stage=lambda stage, step=step: _safe_point(lease, step, stage))
+            with timer("sample"):
+                scenarios = ahead.scenarios(step)
+            with timer("rollouts"):
+                rollouts = ahead.rollouts(step)
+            with timer("score"):
+                scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
+            with timer("train"):
+                training = with_run_storage(train_policy)(config, step)
+            with timer("publish"):
+                publish = with_run_storage(publish_policy)(config, step, training)
+            metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])
+            metrics["rollouts/reused_groups"] = float(rollouts["reused_groups"])
+            if _evaluate_due(config, step):
+                with timer("evaluate"):
+                    metrics.update(with_run_storage(evaluate_policy)(config, step))
+            metrics.update(timer.metrics())
+            crash_point("before-commit", step)
+            lease.check(fresh=True)
+            store.commit(step, metrics, extra={"policy": config.policy(step)})
+            track_step(config, step, metrics)
+            pruned = store.apply_retention(config.retention.keep_last, config.retention.best_metric,
+                                           config.retention.mode)
+            if pruned:
+                log.info("retention pruned checkpoints of steps %s", pruned)
+            publish_run_artifacts(store)
+            log.info("%s", format_step_line(step, metrics, config.policy(step)))
     return {"step": store.latest_step(), "metrics": metrics, "resumed_from": resumed_from,
             "flow_run_url": flow_run_url}
 

@@ -6,6 +6,7 @@ Columns (a reader needs only pyarrow; the nested ones need no ``json.loads``):
 |---|---|---|
 | group_index, trajectory_index | int32 | position of the group in the file, of the trajectory in its group |
 | scenario_id | string | the group's scenario |
+| policy_step | int32 | the step of the policy that sampled the group, or null (files written before it have no column) |
 | reward | float64 | the trajectory's reward |
 | error | string | set when the rollout failed |
 | metrics | map<string, float64> | the trajectory's metrics, each as a number (a bool as 0/1) |
@@ -34,10 +35,11 @@ are JSON Schema. So the regular parts (roles, text content, tool calls, numbers,
 typed columns, and what they cannot hold exactly rides in a small JSON column beside them, which a
 reader can ignore. Side conversations and tool schemas stay JSON: rare, and as free-form as that.
 
-Group-level data (scenario id, metadata, metrics, logs, recorded exceptions and the number of
+Group-level data (scenario id, policy step, metadata, metrics, logs, recorded exceptions and the number of
 trajectories, so a group with only exceptions survives) is JSON in the file's key-value metadata
 under ``trajflow.groups``. Files of the first format (``trajectories-v1``: ``messages``, ``metrics``
-and ``metadata`` as JSON strings) are still read.
+and ``metadata`` as JSON strings) are still read, and so are files written before ``policy_step`` existed (no
+such column or key: their groups read with ``policy_step`` None).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ SCHEMA = pa.schema(
     [
         ("group_index", pa.int32()),
         ("scenario_id", pa.string()),
+        ("policy_step", pa.int32()),
         ("trajectory_index", pa.int32()),
         ("reward", pa.float64()),
         ("error", pa.string()),
@@ -197,6 +200,7 @@ def _row(gi: int, ti: int, group: TrajectoryGroup, traj: Trajectory) -> dict[str
     return {
         "group_index": gi,
         "scenario_id": group.scenario_id,
+        "policy_step": group.policy_step,
         "trajectory_index": ti,
         "reward": traj.reward,
         "error": traj.error,

@@ -24,10 +24,11 @@ from tasks.support.retry_policy import retry_condition
 
 def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) -> dict[str, float]:
     """Evaluate `policy` (default: the run's policy after `step` updates); stored in step `step`'s folder."""
+    policy_step = step if policy is None else None
     policy = policy or config.policy(step)
     scenarios = val_scenarios(config)
     rollouts = asyncio.run(run_groups(config, 0, scenarios, policy, EVAL_GROUPS_DIR, 1,
-                                      f"eval step {step} ({policy})", storage_step=step))
+                                      f"eval step {step} ({policy})", storage_step=step, policy_step=policy_step))
     scored = score_groups_fn(config, step, scenarios, rollouts, out=EVAL_SCORED, prefix="val", use_judge=False)
     return scored["metrics"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from prefect import task
 
-from backends.policy.publish import ensure_loaded, publish_step
+from backends.policy.publish import KEEP_SERVED, ensure_loaded, publish_step
 from tasks.run_config import RunConfig
 from tasks.support.retry_policy import TransientError, is_transient, retry_condition
 from tasks.support.runtime import Runtime, get_runtime
@@ -40,12 +40,13 @@ async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> d
     in_process = cfg.training.mode == "local" and cfg.training.gpus == 1
     trainer = (lambda: rt.trainer_at(step)) if in_process else None
     replicas = rt.inference_clients()
+    keep = KEEP_SERVED + cfg.pipeline.max_off_policy_steps  # rollouts running ahead still sample k older policies
     merged: dict[str, float] = {}
     for replica, inference in enumerate(replicas):
         client = rt.replica_client(replica)
         try:
             metrics = await publish_step(rt.store, inference, client, cfg.project, cfg.run, step, training,
-                                         trainer=trainer, tolerance=cfg.inference.probe_tolerance)
+                                         trainer=trainer, tolerance=cfg.inference.probe_tolerance, keep_served=keep)
         except Exception as exc:
             where = f" on replica {replica}" if len(replicas) > 1 else ""
             if is_transient(exc):

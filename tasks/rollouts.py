@@ -6,7 +6,9 @@
 - Each group is written to storage (``groups/<NNNN>.parquet``, atomically) the moment it completes;
   a rerun of the step reads finished groups back and only runs the missing ones, so a kill loses at
   most the groups in flight.
-- Sampling is reproducible: every call's seed derives from (run, step, scenario, index).
+- Sampling is reproducible: every call's seed derives from (run, step, scenario, index); the policy is the one
+  ``pipeline.max_off_policy_steps`` assigns to the step (backends/policy/staleness.py), recorded in each group
+  as its ``policy_step``.
 - Past ``rollouts.max_failure_fraction`` failed rollouts the task fails, showing the first errors (and,
   when the vLLM the run launched has died, its exit code and log tail) and deleting the groups that hold
   failures, so that a rerun runs them again; when every failure's type is a transient one
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import task
@@ -28,9 +31,10 @@ from prefect import task
 from agents.client import rollout_context, rollout_seed_material
 from agents.scenario import Scenario
 from agents.trajectory import RecordedException, Trajectory, TrajectoryGroup
+from backends.policy.staleness import sampling_step
 from storage.layout import GROUPS_DIR, group_file
 from tasks.run_config import RunConfig
-from tasks.support.cache_keys import cache_key_fn
+from tasks.support.cache_keys import sampled_cache_key_fn
 from tasks.publish import ensure_served
 from tasks.support.crash_points import crash_point
 from tasks.support.preemption import preemption_requested, stop_if_requested
@@ -42,10 +46,15 @@ from tasks.support.tracing import get_tracer
 log = logging.getLogger("trajflow")
 
 PREEMPTION_POLL_S = 0.2  # how soon a SIGTERM stops the rollouts: well inside any grace period
+READ_THREADS = 16  # group files read at once when a step's groups are read back
 
 
 class RolloutFailures(RuntimeError):
     """Too many rollouts failed; the message lists the first errors."""
+
+
+class RolloutsAbandoned(RuntimeError):
+    """Rollouts running ahead of the trainer were stopped because the flow stopped."""
 
 
 class RolloutTimeout(TimeoutError):
@@ -80,13 +89,13 @@ async def _one_rollout(rt: Runtime, client, policy: str, scenario: Scenario, ste
     return traj
 
 
-async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step: int, group_size: int,
-                     sem: asyncio.Semaphore, tracer) -> TrajectoryGroup:
+async def _run_group(rt: Runtime, client, policy: str, policy_step: int | None, scenario: Scenario, step: int,
+                     group_size: int, sem: asyncio.Semaphore, tracer) -> TrajectoryGroup:
     results = await asyncio.gather(
         *(_one_rollout(rt, client, policy, scenario, step, i, sem, tracer) for i in range(group_size)),
         return_exceptions=True,
     )
-    group = TrajectoryGroup(scenario_id=scenario.id, metadata={"step": step, "policy": policy})
+    group = TrajectoryGroup(scenario_id=scenario.id, policy_step=policy_step, metadata={"step": step, "policy": policy})
     for result in results:  # index order, not completion order: reruns store identical groups
         if isinstance(result, BaseException):
             if isinstance(result, asyncio.CancelledError):
@@ -97,27 +106,31 @@ async def _run_group(rt: Runtime, client, policy: str, scenario: Scenario, step:
     return group
 
 
-async def _unless_preempted(work, step: int, label: str) -> None:
-    """Await `work`; on SIGTERM (tasks/support/preemption.py) cancel it and stop: the groups in flight are
-    abandoned, a group write already started finishes (asyncio.run waits for its thread) or never appears."""
+async def _unless_preempted(work, step: int, label: str, abandon) -> None:
+    """Await `work`; on SIGTERM (tasks/support/preemption.py) or once `abandon` (an Event) is set, cancel it and
+    stop: the groups in flight are abandoned, a group write already started finishes (asyncio.run waits for its
+    thread) or never appears."""
     work = asyncio.ensure_future(work)
     while not work.done():
         await asyncio.wait({work}, timeout=PREEMPTION_POLL_S)
-        if preemption_requested() and not work.done():
+        if (preemption_requested() or abandon.is_set()) and not work.done():
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             stop_if_requested(step, f"the remaining groups of {label}")
+            raise RolloutsAbandoned(f"{label}: abandoned, the flow stopped")
     await work
 
 
 async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], policy: str, prefix: str,
-                     group_size: int, label: str, *, storage_step: int | None) -> dict[str, Any]:
+                     group_size: int, label: str, *, storage_step: int | None,
+                     policy_step: int | None = None) -> dict[str, Any]:
     """Run (or read back) one group per scenario; returns paths and counts. Plain async, no Prefect needed.
 
     `step` seeds the rollouts (evaluations pass 0, so every policy answers the same draws); the groups
     are stored under `prefix` in the folder of step `storage_step`, or at the run level when it is
-    None (evaluations outside the step sequence).
+    None (evaluations outside the step sequence). `policy_step` is recorded in each group: the step of
+    the run's policy `policy` is (None: another model).
     """
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     store = rt.store
@@ -134,7 +147,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     failed_groups: list[int] = []
 
     async def group_task(i: int, scenario: Scenario) -> None:
-        group = await _run_group(rt, client, policy, scenario, step, group_size, sem, tracer)
+        group = await _run_group(rt, client, policy, policy_step, scenario, step, group_size, sem, tracer)
         await asyncio.to_thread(store.write_groups, storage_step, group_file(prefix, i), [group])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
@@ -146,7 +159,7 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
     try:
         await _unless_preempted(asyncio.gather(*(group_task(i, s) for i, s in todo)),
-                                storage_step if storage_step is not None else step, label)
+                                storage_step if storage_step is not None else step, label, rt.stop_rollouts)
     finally:
         await client.close()
         tracer.flush()
@@ -175,25 +188,30 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
 
 
 def read_groups(config: RunConfig, step: int, paths: list[str]) -> list[TrajectoryGroup]:
+    """The groups stored under `paths`, in order; the files are read concurrently (one round trip on S3, not one
+    per group)."""
     store = get_runtime(config).store  # this process's resources for the run (tasks/support/runtime.py)
-    groups: list[TrajectoryGroup] = []
-    for path in paths:
-        groups.extend(store.read_groups(step, path))
-    return groups
+    if not paths:
+        return []
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(paths))) as pool:
+        return [group for groups in pool.map(lambda path: store.read_groups(step, path), paths) for group in groups]
 
 
 def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
-    """Training rollouts of step `step`, sampled from the policy after step-1 updates."""
-    policy = config.policy(step - 1)
-    asyncio.run(ensure_served(get_runtime(config), step - 1))
+    """Training rollouts of step `step`, sampled by the policy after ``sampling_step(step, k)`` updates: step-1 in
+    the synchronous loop, step-1-k with ``pipeline.max_off_policy_steps = k`` (backends/policy/staleness.py)."""
+    policy_step = sampling_step(step, config.pipeline.max_off_policy_steps)
+    policy = config.policy(policy_step)
+    asyncio.run(ensure_served(get_runtime(config), policy_step))
     return asyncio.run(run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
-                                  f"rollouts step {step} ({policy})", storage_step=step))
+                                  f"rollouts step {step} ({policy})", storage_step=step, policy_step=policy_step))
 
 
-@task(name="rollouts", cache_key_fn=cache_key_fn("rollouts"), retries=3, retry_delay_seconds=[2, 10, 30],
+@task(name="rollouts", task_run_name="rollouts-step-{step}", cache_key_fn=sampled_cache_key_fn("rollouts"), retries=3,
+      retry_delay_seconds=[2, 10, 30],
       retry_condition_fn=retry_condition, persist_result=True)
 def run_rollouts(config: RunConfig, step: int, scenarios: list[Scenario]) -> dict[str, Any]:
     return run_rollouts_fn(config, step, scenarios)
 
 
-__all__ = ["run_rollouts", "run_rollouts_fn", "run_groups", "read_groups", "RolloutFailures"]
+__all__ = ["run_rollouts", "run_rollouts_fn", "run_groups", "read_groups", "RolloutFailures", "RolloutsAbandoned"]

@@ -109,6 +109,21 @@ class RolloutConfig(BaseModel):
     )
 
 
+class PipelineConfig(BaseModel):
+    """Whether rollouts of later steps overlap the training of the current one (backends/policy/staleness.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_off_policy_steps: int = Field(
+        default=0, ge=0,
+        description="k: step s trains on rollouts sampled by policy step s-1-k (the stalest the bound allows), so "
+        "they run while earlier steps train. 0 is the synchronous loop (sample, train, publish, in turn); 1 keeps "
+        "the inference server busy while the trainer works, at the cost of learning from one-step-old samples "
+        "(corrected by the loss's importance ratio); more hides longer training but learns from staler samples and "
+        "keeps k+2 adapters served and k+1 checkpoints retained",
+    )
+
+
 class RetentionConfig(BaseModel):
     """Which checkpoints survive; trajectories and metrics are always kept."""
 
@@ -178,6 +193,8 @@ class RunConfig(BaseModel):
     rewards: RewardConfig = Field(default_factory=RewardConfig,
                                   description="reward component weights and how a judge score combines with them")
     judge: JudgeConfig | None = Field(default=None, description="LLM judge that ranks each group; None = agent reward only")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="rollouts of later steps overlapping training (async, off-policy)")
     rollouts: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout concurrency, timeouts, failures")
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="rollout server")
     training: TrainingPlacement = Field(default_factory=TrainingPlacement, description="where training runs")
@@ -194,6 +211,15 @@ class RunConfig(BaseModel):
     @classmethod
     def _safe_names(cls, v: str, info) -> str:
         return validate_name(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _pipeline_keeps_its_policies(self) -> RunConfig:
+        k = self.pipeline.max_off_policy_steps
+        if self.retention.keep_last < k + 1:
+            # a resumed run samples step s+1..s+k with the policies of steps s-k..s: their adapters must survive
+            raise ValueError(f"retention.keep_last={self.retention.keep_last} is too few for "
+                             f"pipeline.max_off_policy_steps={k}: a resumed run needs the last {k + 1} checkpoints")
+        return self
 
     def policy(self, step: int) -> str:
         """The served name of the policy after `step` updates."""

@@ -44,7 +44,8 @@ def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
         if result is None:
             raise RuntimeError(f"training step {step}: torchrun succeeded but rank 0 stored no training result")
         return result
-    result = train_step(rt.store, step, rt.trainer_at(step - 1), after_update=lambda s: crash_point("training", s))
+    result = train_step(rt.store, step, rt.trainer_at(step - 1), after_update=lambda s: crash_point("training", s),
+                        max_off_policy_steps=config.pipeline.max_off_policy_steps)
     rt.mark_trainer_step(step)
     return result
 

@@ -14,9 +14,11 @@ import pytest
 
 
 def train_invocation(root: str, proxy_url: str, tmp_path: Path, crash_at: str | None, env_extra: dict | None,
-                     api_url: str | None, *, steps: int, groups: int, group_size: int) -> tuple[list[str], dict, Path]:
+                     api_url: str | None, *, steps: int, groups: int, group_size: int,
+                     sets: tuple[str, ...] = ()) -> tuple[list[str], dict, Path]:
     """(argv, env, log path) of one `python -m flows.train` run of configs/tiny.yaml with the echo agent against
-    `proxy_url`, on a fresh PREFECT_HOME (a new machine); `api_url` None: Prefect's ephemeral API."""
+    `proxy_url`, on a fresh PREFECT_HOME (a new machine); `api_url` None: Prefect's ephemeral API; `sets`: more
+    `--set` overrides."""
     home = tmp_path / f"prefect-home-{os.urandom(4).hex()}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **(env_extra or {})}
@@ -30,6 +32,8 @@ def train_invocation(root: str, proxy_url: str, tmp_path: Path, crash_at: str | 
             "--set", "inference.backend=url", "--set", f"inference.url={proxy_url}/v1",
             "--set", f"steps={steps}", "--set", f"groups_per_step={groups}", "--set", f"group_size={group_size}",
             "--set", f"rollouts.concurrency={group_size}"]  # groups finish one after another
+    for item in sets:
+        args += ["--set", item]
     return ["-m", "flows.train", *args], env, tmp_path / f"flow-{os.urandom(4).hex()}.log"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from agents.trajectory import TrajectoryGroup
 from backends.policy.probe import PROBE_RECORD, probe_prompt_ids, probe_record
+from backends.policy.staleness import check_staleness
 from storage.layout import ADAPTER_DIR, SCORED, TRAINER_STATE_DIR, TRAINING_RESULT
 
 log = logging.getLogger("trajflow")
@@ -57,20 +58,26 @@ def load_checkpoint(store, step: int, trainer) -> None:
 
 
 def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None = None,
-               after_update: Callable[[int], None] | None = None, write: bool = True) -> dict[str, Any]:
+               after_update: Callable[[int], None] | None = None, write: bool = True,
+               max_off_policy_steps: int | None = None) -> dict[str, Any]:
     """One GRPO update from checkpoint step-1 to `step`; returns the stored result if it already finished.
 
     `groups` default to the step's stored ``scored.parquet``; given, they are stored there first.
     `after_update(step)` runs between the update and the upload (crash-point hook for tests).
     ``write=False`` (a data-parallel rank other than 0) takes its part of the update and stores nothing; it returns
     the trainer's raw metrics.
+    A group sampled by a policy more than `max_off_policy_steps` steps before step-1 is refused before anything
+    is stored or trained (StaleGroupError, backends/policy/staleness.py; None refuses none); the staleness of
+    the groups is in the metrics (``pipeline/*``).
     """
     finished = training_result(store, step)
     if finished is not None:
         return finished
-    if groups is None:
+    stored = groups is None
+    if stored:
         groups = store.read_groups(step, SCORED)
-    elif write:
+    staleness = check_staleness(groups, step, max_off_policy_steps)
+    if not stored and write:
         store.write_groups(step, SCORED, groups)
     started = time.perf_counter()
     raw = trainer.train_step(groups)
@@ -81,6 +88,7 @@ def train_step(store, step: int, trainer, groups: list[TrajectoryGroup] | None =
         after_update(step)
     metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
     metrics["train/update_s"] = update_s
+    metrics.update(staleness)
     metrics["train/probe_shift"] = policy_shift(trainer, groups)
     result = save_checkpoint(store, step, trainer, metrics, probe_prompt_ids(groups))
     log.info("step %d trained: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())[:8]))

@@ -7,7 +7,8 @@
 3. the probe proves it (``backends/policy/probe.py``): against the step's probe record; for a
    ``training.json`` without one, against the trainer when the caller has one in its process, else by
    asking that the policy answer differently from ``<run>@<step-1>`` when the update moved it;
-4. ``<run>@<step-KEEP_SERVED>`` is unloaded, so a long run does not grow the server's adapter table.
+4. ``<run>@<step-keep_served>`` is unloaded, so a long run does not grow the server's adapter table
+   (KEEP_SERVED by default; an async pipeline k steps off-policy keeps k+2, its rollouts still sample older steps).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ async def ensure_loaded(store, inference, project: str, run: str, step: int,
 
 async def publish_step(store, inference, client, project: str, run: str, step: int,
                        training: dict[str, Any] | None = None, trainer: Callable[[], Any] | None = None,
-                       tolerance: float | None = None) -> dict[str, float]:
+                       tolerance: float | None = None, keep_served: int = KEEP_SERVED) -> dict[str, float]:
     """Make ``<run>@<step>`` servable and proven (module docstring); returns the probe metrics.
 
     `training` is the step's ``training.json`` (read from `store` when None). `trainer()` returns a trainer
@@ -142,9 +143,9 @@ async def publish_step(store, inference, client, project: str, run: str, step: i
         previous = None if live is not None else await previous_policy(store, inference, run, step, training, project)
         metrics = await publish(inference, client, name, previous, adapter, messages, PROBE_SEED + step,
                                 trainer=live, tolerance=tolerance)
-    if step >= KEEP_SERVED:
+    if step >= keep_served:
         try:
-            await inference.unload_adapter(policy_name(run, step - KEEP_SERVED))
+            await inference.unload_adapter(policy_name(run, step - keep_served))
         except Exception as exc:  # noqa: BLE001 - an adapter that is already gone is fine
-            log.debug("unload of %s skipped: %s", policy_name(run, step - KEEP_SERVED), exc)
+            log.debug("unload of %s skipped: %s", policy_name(run, step - keep_served), exc)
     return metrics

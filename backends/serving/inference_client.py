@@ -14,6 +14,8 @@ import time
 
 import httpx
 
+from agents.client import shared_ssl_context
+
 
 class InferenceError(RuntimeError):
     """The server answered with an error status."""
@@ -43,7 +45,7 @@ class InferenceClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def _request(self, method: str, path: str, **kw) -> httpx.Response:
-        async with httpx.AsyncClient(timeout=self.timeout, headers=self._headers) as http:
+        async with httpx.AsyncClient(timeout=self.timeout, headers=self._headers, verify=shared_ssl_context()) as http:
             return await http.request(method, path, **kw)
 
     async def health(self) -> bool:

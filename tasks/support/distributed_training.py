@@ -168,7 +168,8 @@ def _run_rank(config: RunConfig, step: int, rank: int) -> None:
         trainer = GRPOTrainer(config.base_model, config.trainer, device=device)
         load_checkpoint(store, step - 1, trainer)
         crash_point(f"training-rank{rank}", step)  # resume tests: a rank killed while the others wait for it
-        train_step(store, step, trainer, after_update=lambda s: crash_point("training", s), write=rank == 0)
+        train_step(store, step, trainer, after_update=lambda s: crash_point("training", s), write=rank == 0,
+                   max_off_policy_steps=config.pipeline.max_off_policy_steps)
     finally:
         distributed.close()
 

@@ -21,15 +21,13 @@ CURVE_KEYS = ("train/reward", "val/reward")
 
 
 def step_history(store) -> list[dict[str, Any]]:
-    """[{step, **metrics}] for every committed step, from the manifests alone."""
-    rows = []
-    for step in store.committed_steps():
-        rows.append({"step": step, **store.read_manifest(step).metrics})
-    return rows
+    """[{step, **metrics}] for every committed step, from the manifests alone (read once, together)."""
+    return [{"step": step, **manifest.metrics} for step, manifest in store.manifests().items()]
 
 
-def chart_png(draw: Callable[[Any], None], figsize: tuple[float, float]) -> bytes:
-    """A chart as PNG bytes: ``draw(ax)`` fills the axes of a fresh ``figsize``-inch figure at 100 dpi.
+def chart_png(draw: Callable[[Any], None], figsize: tuple[float, float], ncols: int = 1) -> bytes:
+    """A chart as PNG bytes: ``draw(ax)`` fills the axes of a fresh ``figsize``-inch figure at 100 dpi (with
+    ``ncols`` > 1, ``draw`` gets that many axes side by side).
 
     matplotlib's Agg backend renders without a display (flows run on headless workers); the layout is
     tightened so labels are not cut off, and the figure is closed so a long-lived worker does not
@@ -40,7 +38,7 @@ def chart_png(draw: Callable[[Any], None], figsize: tuple[float, float]) -> byte
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=figsize, dpi=100)
+    fig, ax = plt.subplots(1, ncols, figsize=figsize, dpi=100)
     try:
         draw(ax)
         fig.tight_layout()

@@ -18,7 +18,7 @@ from tasks.support.runtime import get_runtime
 
 
 def result_storage_for(config: RunConfig):
-    """A value for ``task.with_options(result_storage=...)``: a Path or a saved block's slug."""
+    """A value for ``task.with_options(result_storage=...)``: a Path, or a saved ``RemoteFileSystem`` block."""
     # this process's resources for the run (tasks/support/runtime.py)
     url = f"{get_runtime(config).store.url.rstrip('/')}/{PREFECT_RESULTS_DIR}"
     if "://" not in url or url.startswith("file://"):
@@ -28,5 +28,8 @@ def result_storage_for(config: RunConfig):
     from prefect.filesystems import RemoteFileSystem
 
     name = "trajflow-" + hashlib.sha256(url.encode()).hexdigest()[:16]
-    RemoteFileSystem(basepath=url, settings={}).save(name, overwrite=True)
-    return f"remote-file-system/{name}"
+    block = RemoteFileSystem(basepath=url, settings={})
+    block.save(name, overwrite=True)
+    # The saved block itself, not its slug: Prefect loads a slug from the API again for every task call (~0.1 s on
+    # a loaded machine, several per step), and builds a new S3 filesystem each time.
+    return block

@@ -34,6 +34,7 @@ class Runtime:
         self._trainer = None
         self._trainer_step: int | None = None
         self._lock = threading.RLock()
+        self.stop_rollouts = threading.Event()  # set: rollouts running ahead of the trainer abandon their groups
         self.api_key = os.environ.get(config.inference.api_key_env) or None
         self.base_urls: list[str] = []
         self.base_model_name: str | None = None

@@ -36,10 +36,10 @@ GROUPS, GROUP_SIZE, STEPS = 3, 3, 2
 
 
 def run_flow(launcher, root: str, proxy_url: str, tmp_path: Path, crash_at: str | None,
-             env_extra: dict | None = None, api_url: str | None = None):
+             env_extra: dict | None = None, api_url: str | None = None, steps: int = STEPS, sets: tuple = ()):
     """One `python -m flows.train` run (forked) on a fresh PREFECT_HOME; `api_url` None: Prefect's ephemeral API."""
     argv, env, log_path = train_invocation(root, proxy_url, tmp_path, crash_at, env_extra, api_url,
-                                           steps=STEPS, groups=GROUPS, group_size=GROUP_SIZE)
+                                           steps=steps, groups=GROUPS, group_size=GROUP_SIZE, sets=sets)
     code = launcher.run(argv, env, REPO, log_path, timeout=400)
     return code, log_path.read_text()
 
@@ -61,21 +61,29 @@ def copy_rollouts_only(store: RunStore, target: Path) -> None:
             dest.write_bytes(fs.cat_file(path))
 
 
+def storage_of(kind: str, tmp_path: Path, request) -> tuple[str, dict]:
+    """(storage root, environment for the flow processes) of a local folder or a moto S3 bucket."""
+    if kind == "local":
+        return str(tmp_path / "runs"), {}
+    bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
+    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                      "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
+    return f"s3://{bucket}/runs", env
+
+
+def session_api() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill
+    assert api and api.startswith("http://127.0.0.1:"), api
+    return api
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value()  # the session's server (prefect_api); it survives every kill below
-    assert api and api.startswith("http://127.0.0.1:"), api
-    env = {}
-    if kind == "s3":
-        bucket = request.getfixturevalue("s3_bucket")  # also sets AWS_ENDPOINT_URL and dummy keys
-        env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
-        root = f"s3://{bucket}/runs"
-    else:
-        root = str(tmp_path / "runs")
+    api = session_api()
+    root, env = storage_of(kind, tmp_path, request)
     store = RunStore(root, "ci", "tiny")
     proxy, launcher = counting_server, fork_launcher
 
@@ -121,3 +129,74 @@ def test_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_
     replay = RunStore(str(replay_root), "ci", "tiny")
     for step in range(1, STEPS + 1):
         assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
+
+
+ASYNC = ("pipeline.max_off_policy_steps=1", "retention.keep_last=4")  # the replay below starts from step 0
+ASYNC_STEPS = 3  # step s samples with tiny@max(0, s-2): steps 1 and 2 with tiny@0, step 3 with tiny@1
+
+
+def missing_groups(store: RunStore) -> dict[int, int]:
+    """Step -> groups of it not stored yet."""
+    return {s: GROUPS - len(store.list_files(s, "groups/")) for s in range(1, ASYNC_STEPS + 1)}
+
+
+def assert_sampled_once(proxy, missing: dict[int, int], steps_done: tuple[int, ...]) -> None:
+    """The rollout requests of one run, for each policy that samples a step in `steps_done` (steps whose rollouts
+    all finished in that run): one per trajectory of a group that was missing when the run started, no more."""
+    by_policy: dict[int, int] = {}
+    for step in steps_done:
+        by_policy[max(0, step - 2)] = by_policy.get(max(0, step - 2), 0) + missing[step] * GROUP_SIZE
+    for policy, expected in by_policy.items():
+        assert len(proxy.rollout_requests(f"tiny@{policy}")) == expected, (policy, expected)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
+    """pipeline.max_off_policy_steps=1, 3 steps: killed (a) mid-rollouts of step 2 while step 1 runs, (b) locally
+    also after step 2 is trained and published, before its commit (step 3's rollouts running ahead); then resumed
+    to the end, each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled
+    within the bound, and (locally) the adapters equal an uninterrupted k=1 run's on the same rollouts."""
+    api = session_api()
+    root, env = storage_of(kind, tmp_path, request)
+    store = RunStore(root, "ci", "tiny")
+    proxy, launcher = counting_server, fork_launcher
+
+    def run(crash_at):
+        proxy.reset()
+        missing = missing_groups(store)
+        code, out = run_flow(launcher, root, proxy.url, tmp_path, crash_at, env, api, ASYNC_STEPS, ASYNC)
+        return code, out, missing
+
+    # (a) killed right after the first group of step 2 is stored: step 2's rollouts ran beside step 1's
+    code, out, _ = run("rollouts-group:2")
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert GROUPS - missing_groups(store)[2] >= 1 and store.committed_steps() in ([0], [0, 1])
+
+    if kind == "local":
+        # (b) resumed: steps 1 and 2 sample only their missing groups; killed between step 2's publish and commit
+        code, out, missing = run("before-commit:2")
+        assert code == -signal.SIGKILL, out[-3000:]
+        assert_sampled_once(proxy, missing, (1, 2))
+        assert store.committed_steps() == [0, 1] and store.exists(2, "training.json")
+
+    # resumed to the end: what was stored is not sampled again
+    code, out, missing = run(None)
+    assert code == 0, out[-3000:]
+    assert_sampled_once(proxy, missing, (1, 2, 3))
+    assert store.committed_steps() == [0, 1, 2, 3] and missing_groups(store) == {1: 0, 2: 0, 3: 0}
+    for step in range(1, ASYNC_STEPS + 1):  # every trained group within the bound, as scheduled
+        assert {g.policy_step for g in store.read_groups(step, "scored.parquet")} == {max(0, step - 2)}
+        assert store.read_manifest(step).metrics["pipeline/staleness_max"] <= 1
+
+    if kind == "local":  # the uninterrupted k=1 run on the same rollouts: no request, same adapter bytes
+        replay_root = tmp_path / "replay"
+        copy_rollouts_only(store, replay_root)
+        proxy.reset()
+        code, out = run_flow(launcher, str(replay_root), proxy.url, tmp_path, None, api_url=api, steps=ASYNC_STEPS,
+                             sets=ASYNC)
+        assert code == 0, out[-3000:]
+        assert all(not proxy.rollout_requests(f"tiny@{p}") for p in range(ASYNC_STEPS))
+        replay = RunStore(str(replay_root), "ci", "tiny")
+        for step in range(1, ASYNC_STEPS + 1):
+            assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"

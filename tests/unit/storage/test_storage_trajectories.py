@@ -267,3 +267,32 @@ async def test_example_agents_real_trajectories_round_trip(store_root, scripted_
     store = RunStore(store_root, "proj", "run")
     store.write_groups(1, "groups/0000.parquet", groups)
     _same(RunStore(store_root, "proj", "run").read_groups(1, "groups/0000.parquet"), groups)
+
+
+def test_policy_step_is_a_field_of_the_group_and_a_column_of_its_rows():
+    """The step of the sampling policy comes back on the group and is a plain int column per row (null when
+    unknown), so `df.policy_step` answers which policy sampled what without parsing names."""
+    from storage.trajectories import groups_from_parquet, groups_to_parquet
+
+    groups = make_groups()
+    groups[0].policy_step = 3
+    data = groups_to_parquet(groups)
+    back = groups_from_parquet(data)
+    assert [g.policy_step for g in back] == [3] + [None] * (len(groups) - 1)
+    _same(back, groups)
+    table = pq.read_table(io.BytesIO(data))
+    assert table.schema.field("policy_step").type == pa.int32()
+    assert table.column("policy_step").to_pylist() == [3 if g is groups[0] else None
+                                                       for g in groups for _ in g.trajectories]
+
+
+def test_files_written_before_the_policy_step_are_still_read():
+    """A trajectories-v2 file written by the code before `policy_step` existed (no column, no key; made from
+    make_groups() by that code): its groups read back exactly, with policy_step None."""
+    from storage.trajectories import groups_from_parquet
+
+    data = (DATA / "trajectories-v2-before-policy-step.parquet").read_bytes()
+    assert "policy_step" not in pq.read_schema(io.BytesIO(data)).names
+    back = groups_from_parquet(data)
+    assert {g.policy_step for g in back} == {None}
+    _same(back, make_groups())
