@@ -91,7 +91,9 @@ class DecodeStep:
                 self._body(*key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the trainer may run CUDA work on another thread meanwhile (the async pipeline trains while
+        # later steps' rollouts decode); the default ("global") makes any such call invalidate this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out, raw = self._body(*key)
         self._graphs[key] = (graph, out, raw)
         self.captures += 1
