@@ -89,6 +89,7 @@ class InferenceConfig(BaseModel):
         from backends.serving.vllm import command_argv
 
         return command_argv(value)
+
     probe_tolerance: float | None = Field(
         default=None, gt=0,
         description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
