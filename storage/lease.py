@@ -74,7 +74,7 @@ def _utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """True when no process `pid` exists on this host (one owned by another user still exists)."""
     try:
         os.kill(pid, 0)
@@ -107,7 +107,7 @@ class LeaseRecord(BaseModel):
         """Why another process may take this lease (expired, or its holder on this host is gone); None if it may not."""
         if self.expires_at <= now:
             return f"it expired at {_utc(self.expires_at)}"
-        if self.host == socket.gethostname() and _process_gone(self.pid):
+        if self.host == socket.gethostname() and process_gone(self.pid):
             return f"its holder, pid {self.pid} on this host, no longer runs"
         return None
 

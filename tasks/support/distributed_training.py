@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from storage.lease import process_gone
 from tasks.run_config import RunConfig
 from tasks.support.placement import cuda_visible, devices
 from tasks.support.retry_policy import TransientError, is_transient
@@ -125,21 +126,11 @@ def _failure(step: int, processes: int, records: Path, tail: list[str]) -> Excep
 
 
 # ---- the rank side -------------------------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def exit_when_gone(pid: int, exit=os._exit, poll_s: float = PARENT_POLL_S) -> threading.Thread:
     """A daemon thread that calls ``exit(ORPHANED_EXIT)`` once process `pid` no longer exists."""
 
     def watch() -> None:
-        while _alive(pid):
+        while not process_gone(pid):
             time.sleep(poll_s)
         logging.getLogger("trajflow").error("the process that launched this training rank (pid %d) is gone: "
                                             "exiting without finishing the step", pid)
