@@ -165,8 +165,8 @@ class TrainerConfig(BaseModel):
         default=1.0, gt=0, le=1,
         description="With gradient_checkpointing, the fraction of decoder layers that are recomputed (evenly "
         "spread). Lower trades memory back for speed. On an H200, 1.5B model, 16k-token micro-batches, GPU "
-        "defaults: no checkpointing 41.2k tokens/s at 29.8 GiB, 0.25 38.0k at 24.9 GiB "
-        "(benchmarks/results/training-h200.md).",
+        "defaults, rows repeated from a warm-up: no checkpointing 41.2k tokens/s at 29.8 GiB, 0.25 38.0k at "
+        "24.9 GiB (benchmarks/results/training-h200.md; new rows every step: 35.0k without checkpointing).",
     )
     memory_efficient_ops: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -190,6 +190,20 @@ class TrainerConfig(BaseModel):
         "equal up to reduction order. The first step pays the compile (~8 s on an H200); if compiling fails "
         "the eager code runs, with a warning. 'auto': on for CUDA, off on CPU (where compiling costs more "
         "than it saves on small models).",
+    )
+    warm_up: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="At set-up, run forward + backward on two synthetic packed micro-batches and drop the "
+        "gradients (GRPOTrainer.warm_up: no step; adapter, optimizer and RNG untouched), so compiling the "
+        "torch.compile'd kernels happens before the first step instead of inside it. 'auto': on for CUDA.",
+    )
+    attention_kernel: Literal["auto", "flash", "sdpa-default"] = Field(
+        default="auto",
+        description="Kernel of the packed rows' causal attention (one SDPA call per row). 'flash' (= 'auto'): "
+        "PyTorch's FlashAttention-2 first, memory-efficient attention next, cuDNN and math last. "
+        "'sdpa-default': PyTorch's own order, which picks cuDNN attention on Hopper; cuDNN builds an execution "
+        "plan for every new sequence length (~1.8 ms of host time per call, and GRPO rows are new lengths "
+        "every step): H200, 1.5B, 16k-token micro-batches: see benchmarks/results/training-h200.md.",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

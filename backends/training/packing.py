@@ -4,7 +4,9 @@ Rows are placed first-fit-decreasing into bins of at most ``micro_batch_tokens``
 gets a bin of its own) and each bin runs as ONE sequence of batch size 1: no padding token is ever
 computed. Positions restart at 0 for every row, and the ``trajflow_varlen`` attention runs causal
 attention separately on each row's span (PyTorch SDPA per span, so the flash kernel is used on GPU),
-which is exactly what each row alone would compute. The spans travel to the attention as the
+which is exactly what each row alone would compute. Which SDPA kernel runs is the trainer's
+``attention_kernel`` choice, carried with the packed forward (``packed_forward(backends)``); the kernel picked at
+the forward also runs the backward. The spans travel to the attention as the
 ``trajflow_segments`` keyword that transformers forwards from the decoder call to the attention
 function (also through gradient-checkpoint recomputation). Without that keyword the implementation is
 plain SDPA, so a model set to it still generates normally.
@@ -23,6 +25,25 @@ from backends.training.token_rows import TrainingRow
 
 VARLEN = "trajflow_varlen"
 _PACKED_FORWARD = contextvars.ContextVar("trajflow_packed_forward", default=False)
+_SDPA_BACKENDS = contextvars.ContextVar("trajflow_sdpa_backends", default=None)
+
+
+def sdpa_backends(kernel: str) -> list | None:
+    """SDPA backends in priority order for an ``attention_kernel`` setting; None = PyTorch's own choice."""
+    if kernel == "sdpa-default":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def _kernel_choice():
+    backends = _SDPA_BACKENDS.get()
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends, set_priority=True)
 
 
 def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
@@ -34,13 +55,13 @@ def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
     kwargs.pop("is_causal", None)
     kwargs.pop("position_ids", None)
     outs, start = [], 0
-    for n in segments:
-        end = start + n
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None, is_causal=True, **kwargs
-        )
-        outs.append(out)
-        start = end
+    with _kernel_choice():
+        for n in segments:
+            end = start + n
+            out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                            value[:, :, start:end], None, is_causal=True, **kwargs)
+            outs.append(out)
+            start = end
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
@@ -72,12 +93,14 @@ def install_varlen_attention(causal_lm) -> bool:
 
 
 @contextlib.contextmanager
-def packed_forward():
-    """Mark the enclosed decoder call as packed (no attention mask is materialised)."""
-    token = _PACKED_FORWARD.set(True)
+def packed_forward(backends: list | None = None):
+    """Mark the enclosed decoder call as packed (no attention mask is materialised); its row attention runs with
+    these SDPA backends in priority order (``sdpa_backends``), or PyTorch's own choice when None."""
+    token, chosen = _PACKED_FORWARD.set(True), _SDPA_BACKENDS.set(backends)
     try:
         yield
     finally:
+        _SDPA_BACKENDS.reset(chosen)
         _PACKED_FORWARD.reset(token)
 
 

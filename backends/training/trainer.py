@@ -47,7 +47,8 @@ from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import assign_aggregation_weights, policy_loss
-from backends.training.packing import MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins
+from backends.training.packing import (MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins,
+                                       sdpa_backends)
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
 
@@ -189,6 +190,7 @@ class GRPOTrainer:
         self.step = 0
         self.metrics_history: list[dict[str, float]] = []
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
+        self.warm_up_s = self.warm_up() if config.enabled("warm_up", self.device.type == "cuda") else 0.0
 
     def update_config(self, **overrides) -> TrainerConfig:
         """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
@@ -232,7 +234,7 @@ class GRPOTrainer:
         packing = contextlib.nullcontext()
         if self.packed:
             kwargs["trajflow_segments"] = mb.segments
-            packing = packed_forward()
+            packing = packed_forward(sdpa_backends(self.config.attention_kernel) if self.device.type == "cuda" else None)
         with packing, self._autocast():
             out = decoder(**kwargs)
         return out[0][0]
@@ -353,6 +355,38 @@ class GRPOTrainer:
             metrics["data_parallel_ranks"] = float(world_size)
         self.metrics_history.append(metrics)
         return metrics
+
+    def warm_up(self, micro_batches: int = 2) -> float:
+        """Run forward + backward on synthetic packed micro-batches, then drop the gradients: no optimizer step, the
+        adapter, optimizer, scheduler, step count and RNG streams are untouched. Returns the seconds it took.
+
+        What the first real step of a process would otherwise pay happens here, during set-up: compiling the
+        torch.compile'd kernels (dynamic shapes: one compile serves every length), the attention and GEMM kernels'
+        first launches, and the caching allocator growing to a full micro-batch. The rows are a full micro-batch
+        then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw).
+        """
+        start = time.perf_counter()
+        budget = self.config.micro_batch_tokens
+        was_training = self.model.training
+        self.model.train()
+        for k in range(micro_batches):
+            total = max(16, budget // (k + 1))
+            lengths = [total // 2, total // 3, total - total // 2 - total // 3]
+            rows = []
+            for n in lengths:
+                ids = [(7 * i + 3) % self.vocab_size for i in range(n)]
+                mask = [i >= n // 4 for i in range(n)]
+                rows.append(TrainingRow(ids, mask, [0.0] * n, advantage=0.0, weight=1.0 / n, source="warm-up"))
+            for mb in self._micro_batches(rows):
+                logp, _ = self._token_logprobs(mb)
+                res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
+                                  loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
+                (res.loss * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train(was_training)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _peak_memory_gib(self) -> float:
         """Peak memory of this step so far: CUDA's allocator peak, or on the CPU the process's peak resident memory

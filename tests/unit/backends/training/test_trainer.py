@@ -275,3 +275,48 @@ def test_greedy_continuation_is_the_argmax_of_full_forwards_and_scored_like_sequ
     for bad_prompt, bad_n in (([], 4), ([5, 6], 0)):
         with pytest.raises(ValueError, match="non-empty prompt and max_tokens >= 1"):
             trainer.greedy_continuation(bad_prompt, bad_n)
+
+
+def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_conversation, monkeypatch):
+    """The backends a packed forward carries reach SDPA: only-efficient has no CPU kernel and fails, math-only gives
+    the default kernel's logprobs, and no choice is PyTorch's own (CPU trainers pass none)."""
+    from torch.nn.attention import SDPBackend
+
+    from backends.training import packing
+
+    trainer = _trainer(tiny_model_path)
+    t1, p1 = tool_conversation["turns"][0], tool_conversation["prompts"][0]
+    default = trainer.sequence_logprobs(p1, t1.token_ids)
+    chosen = {}
+    monkeypatch.setattr("backends.training.trainer.packed_forward",
+                        lambda backends=None: packing.packed_forward(chosen["backends"]))
+    chosen["backends"] = [SDPBackend.MATH]
+    assert trainer.sequence_logprobs(p1, t1.token_ids) == pytest.approx(default, abs=1e-5)
+    chosen["backends"] = [SDPBackend.EFFICIENT_ATTENTION]
+    with pytest.raises(RuntimeError, match="No viable backend|No available kernel"):
+        trainer.sequence_logprobs(p1, t1.token_ids)
+    assert packing.sdpa_backends("sdpa-default") is None
+    assert packing.sdpa_backends("flash")[0] == SDPBackend.FLASH_ATTENTION
+
+
+def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path):
+    """warm_up runs forward + backward but leaves the adapter, optimizer, step count, gradients and RNG alone:
+    the step after it is bit-identical to a step without it."""
+    groups = [synthetic_group([0.0, 1.0, 0.25]), synthetic_group([2.0, 0.0])]
+    results = []
+    for warm in (False, True):
+        trainer = _trainer(tiny_model_path, learning_rate=1e-3, micro_batch_tokens=64)
+        if warm:
+            before = _lora_state(trainer)
+            rng = torch.get_rng_state()
+            assert trainer.warm_up() > 0
+            assert torch.equal(torch.get_rng_state(), rng) and trainer.step == 0
+            assert all(p.grad is None for p in trainer.model.parameters())
+            assert all(torch.equal(before[n], w) for n, w in _lora_state(trainer).items())
+            assert not trainer.optimizer.state
+        results.append((trainer.train_step(groups), _lora_state(trainer)))
+    (m0, w0), (m1, w1) = results
+    assert m0["loss"] == m1["loss"] and m0["grad_norm"] == m1["grad_norm"]
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)
+    assert trainer.warm_up_s == 0.0  # 'auto' warms up on CUDA only
+    assert _trainer(tiny_model_path, warm_up="on", micro_batch_tokens=64).warm_up_s > 0

@@ -1,0 +1,239 @@
+"""What a user gets from the trainer in a fresh process: cold start, the first steps, and the steady speed.
+
+A GRPO update in deployment mode runs in a new process every step, so the figure that matters is not the
+speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per process:
+
+- ``cold_start_s``: from the parent starting the child process (``subprocess.Popen``) to the end of its first
+  optimizer step (``torch.cuda.synchronize`` after the step): interpreter start, imports, model build,
+  trainer set-up (incl. ``GRPOTrainer.warm_up`` when on) and step 0;
+- ``first_in_process_tok_s``: row tokens / wall seconds of steps 1..3 of that process (the first steps after the
+  one that paid the cold start);
+- ``steady_tok_s``: the same over the last ``--steady-steps`` steps;
+- per step: wall, GPU-busy time (CUDA events around the step), process CPU seconds, cudaMalloc calls, Dynamo
+  graph count and compile seconds, so a slow step says whether it waited for the GPU, compiled or allocated.
+
+Each configuration runs as its own child process (``--child``), one after another, never two at once. The
+compile cache (``TORCHINDUCTOR_CACHE_DIR``) is a fresh empty folder for ``cold-cache`` runs and the folder a
+previous child filled for ``warm-cache`` runs: a spot machine starts with the first, a per-step process on the
+same machine (or one that restored the cache from the run's storage) gets the second.
+
+Model, rows and definitions as ``benchmarks/training.py`` (Qwen2.5-1.5B shape, random weights, bf16, LoRA r16 on
+all linear layers, synthetic multi-turn rows of 2k-16k tokens, ~98k tokens per step, 16k per micro-batch).
+MFU two ways: the 6N convention (N = base parameters, LoRA and attention not counted) and LoRA-aware:
+forward 2N + attention, backward 2N (activation gradients only; frozen weights get none) + 2x attention, plus
+the LoRA matmuls (6 x LoRA parameters); attention per row of length L: 4 x layers x hidden x L^2 / 2 (causal)
+forward, so 3x that forward + backward.
+
+    python benchmarks/training_fresh_process.py --out benchmarks/results/training-fresh-h200.json
+    python benchmarks/training_fresh_process.py --smoke --out /tmp/fresh.json   # CPU, tiny shape, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16, vendor datasheet
+CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the defaults warm up on CUDA)
+    "defaults+warm-up": {},
+    "no-warm-up": {"warm_up": "off"},
+    "sdpa-default+warm-up": {"attention_kernel": "sdpa-default"},
+}
+
+
+def lora_aware_flops(n_params: int, lora_params: int, shape: dict, row_lengths: list[int]) -> float:
+    """FLOPs of one optimizer step over rows of these lengths (see the module docstring)."""
+    tokens = sum(row_lengths)
+    attn_fwd = sum(4 * shape["num_hidden_layers"] * shape["hidden_size"] * n * n / 2 for n in row_lengths)
+    return 4 * n_params * tokens + 3 * attn_fwd + 6 * lora_params * tokens
+
+
+def child(args) -> None:
+    t_start = time.time()
+    import torch
+
+    from benchmarks.training import QWEN25_15B, TINY, build_model, synthetic_groups
+    from backends.modeling.loading import build_tiny_tokenizer
+    from backends.training.config import TrainerConfig
+    from backends.training.token_rows import build_rows
+    from backends.training.trainer import GRPOTrainer
+
+    t_imported = time.time()
+    cuda = not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shape = TINY if args.smoke else QWEN25_15B
+    min_len, max_len = (128, 1024) if args.smoke else (2048, 16384)
+    step_tokens = 6000 if args.smoke else args.step_tokens
+    settings = CONFIGS[args.config]
+    cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
+                        max_row_tokens=max_len, micro_batch_tokens=1024 if args.smoke else args.micro_batch_tokens,
+                        seed=0, backend="peft", **settings)
+    model = build_model(shape, device, dtype)
+    if cuda:
+        torch.cuda.synchronize()
+    t_model = time.time()
+    trainer = GRPOTrainer("bench", cfg, device=device, model=model, tokenizer=build_tiny_tokenizer())
+    if cuda:
+        torch.cuda.synchronize()
+    t_trainer = time.time()
+    data = [synthetic_groups(k, shape["vocab_size"], step_tokens, min_len, max_len) for k in range(args.steps)]
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    lora_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+    from torch._dynamo.utils import counters
+
+    def compile_seconds() -> float:
+        try:
+            from torch._dynamo.utils import compilation_time_metrics
+            return sum(sum(v) for v in compilation_time_metrics.values())
+        except ImportError:
+            return float("nan")
+
+    def cpu_seconds() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    steps = []
+    for k in range(args.steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            allocs0 = torch.cuda.memory_stats().get("num_device_alloc", 0)
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            ev0.record()
+        graphs0, comp0, cpu0 = counters["stats"]["unique_graphs"], compile_seconds(), cpu_seconds()
+        prof = None
+        if k in args.profile_steps:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+        t0 = time.perf_counter()
+        m = trainer.train_step(data[k])
+        if cuda:
+            ev1.record()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        rows = [len(r) for r in build_rows(data[k], max_row_tokens=max_len)[0]]
+        rec = {"step": k, "wall_s": wall, "done_at": time.time(), "tokens": m["tokens"], "tok_s": m["tokens"] / wall,
+               "peak_gib": m["peak_memory_gib"], "loss": m["loss"], "cpu_s": cpu_seconds() - cpu0,
+               "new_graphs": counters["stats"]["unique_graphs"] - graphs0, "compile_s": compile_seconds() - comp0,
+               "flops_lora_aware": lora_aware_flops(n_params, lora_params, shape, rows)}
+        if cuda:
+            rec["gpu_busy_s"] = ev0.elapsed_time(ev1) / 1000
+            rec["device_allocs"] = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            table = prof.key_averages()
+            rec["profile_by_cpu"] = table.table(sort_by="self_cpu_time_total", row_limit=25)
+            if cuda:
+                rec["profile_by_cuda"] = table.table(sort_by="self_cuda_time_total", row_limit=25)
+        steps.append(rec)
+        print(f"  [{args.config}] step {k}: {rec['tokens']:.0f} tok {wall:.2f}s = {rec['tok_s']:.0f} tok/s, "
+              f"cpu {rec['cpu_s']:.2f}s, new graphs {rec['new_graphs']}, compile {rec['compile_s']:.1f}s, "
+              f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
+    out = {"config": args.config, "settings": settings, "warm_up_s": trainer.warm_up_s, "n_params": n_params,
+           "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
+           "t_trainer": t_trainer, "steps": steps}
+    Path(args.child_out).write_text(json.dumps(out))
+
+
+def _rate(steps: list[dict]) -> float:
+    return sum(s["tokens"] for s in steps) / sum(s["wall_s"] for s in steps)
+
+
+def summarise_run(run: dict, steady_steps: int) -> dict:
+    s, spawned = run["steps"], run["spawned_at"]
+    steady = _rate(s[-steady_steps:])
+    flops = sum(x["flops_lora_aware"] for x in s[-steady_steps:]) / sum(x["wall_s"] for x in s[-steady_steps:])
+    return {
+        "config": run["config"], "cache": run["cache"],
+        "cold_start_s": round(s[0]["done_at"] - spawned, 2),
+        "start_to_imported_s": round(run["t_imported"] - spawned, 2),
+        "model_build_s": round(run["t_model"] - run["t_imported"], 2),
+        "trainer_setup_s": round(run["t_trainer"] - run["t_model"], 2),
+        "step0_s": round(s[0]["wall_s"], 2),
+        "first_in_process_tok_s": round(_rate(s[1:4])),
+        "steady_tok_s": round(steady),
+        "peak_gib": round(max(x["peak_gib"] for x in s), 1),
+        "mfu_6n_percent": round(100 * 6 * run["n_params"] * steady / (PEAK_TFLOPS * 1e12), 1),
+        "mfu_lora_aware_percent": round(100 * flops / (PEAK_TFLOPS * 1e12), 1),
+        "step_wall_s": [round(x["wall_s"], 2) for x in s],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per process")
+    ap.add_argument("--steady-steps", type=int, default=4, help="last steps that define the steady speed")
+    ap.add_argument("--step-tokens", type=int, default=98304)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--runs", default="defaults+warm-up:cold-cache,defaults+warm-up:warm-cache,no-warm-up:cold-cache,"
+                    "sdpa-default+warm-up:cold-cache", help="config:cache pairs, run in this order")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="defaults", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-steps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="comma list of steps to run under torch.profiler (diagnosis; slows those steps)")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    runs, summary = [], []
+    caches = {}
+    work = Path(tempfile.mkdtemp(prefix="fresh-process-"))
+    for pair in args.runs.split(","):
+        config, cache = pair.split(":")
+        if config not in CONFIGS or cache not in ("cold-cache", "warm-cache"):
+            raise SystemExit(f"unknown run {pair!r}: configs {list(CONFIGS)}, caches cold-cache|warm-cache")
+        if cache == "cold-cache" or config not in caches:
+            caches[config] = Path(tempfile.mkdtemp(prefix="inductor-", dir=work))
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches[config]), "PYTHONPATH": os.pathsep.join(
+            [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        child_out = work / f"{len(runs)}.json"
+        cmd = [sys.executable, __file__, "--child", "--config", config, "--child-out", str(child_out),
+               "--steps", str(args.steps), "--step-tokens", str(args.step_tokens),
+               "--micro-batch-tokens", str(args.micro_batch_tokens),
+               "--profile-steps", ",".join(map(str, args.profile_steps))] + (["--smoke"] if args.smoke else [])
+        print(f"== {config}, {cache}", flush=True)
+        spawned = time.time()
+        rc = subprocess.Popen(cmd, env=env).wait()
+        if rc != 0:
+            summary.append({"config": config, "cache": cache, "error": f"child exited {rc}"})
+            continue
+        run = {**json.loads(child_out.read_text()), "cache": cache, "spawned_at": spawned}
+        runs.append(run)
+        summary.append(summarise_run(run, args.steady_steps))
+        print(f"   -> {summary[-1]}", flush=True)
+        if args.out:
+            write(args, summary, runs)
+    if args.out:
+        write(args, summary, runs)
+    print(json.dumps(summary, indent=1))
+
+
+def write(args, summary: list[dict], runs: list[dict]) -> None:
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "command": "python " + " ".join(sys.argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"env": env, "runs_summary": summary, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
