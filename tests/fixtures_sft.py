@@ -39,8 +39,8 @@ TOOL_CONVERSATION = {
 # the text each assistant turn is trained on, as the chat template (TOOL_CHAT_TEMPLATE) writes it
 TOOL_CONVERSATION_TURNS = [
     '<tool_call>{"name": "search", "arguments": {"query": "eiffel tower"}}</tool_call>',
-    'Reading two.\n<tool_call>{"name": "read", "arguments": {"id": 3}}</tool_call>\n'
-    '<tool_call>{"name": "read", "arguments": {"id": 4}}</tool_call>',
+    ('Reading two.\n<tool_call>{"name": "read", "arguments": {"id": 3}}</tool_call>\n'
+     '<tool_call>{"name": "read", "arguments": {"id": 4}}</tool_call>'),
     "In Paris.",
 ]
 ARITHMETIC = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},

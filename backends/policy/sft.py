@@ -2,8 +2,8 @@
 that step's checkpoint, resumable from save points in the run's storage. The flow makes it step 0 (``sft`` in the
 RunConfig); ``LocalBackend.train_sft`` makes it the next step of a script's run.
 
-Files under the step (names in storage/layout.py): each save point's ``sft/<NNNNNN>/{adapter,trainer}/``, then
-``sft/progress.json`` naming it (written last, so a save point exists once progress.json names it; the one before
+Files under the step (names in storage/layout.py): each save point's ``sft-progress/<NNNNNN>/{adapter,trainer}/``, then
+``sft-progress/progress.json`` naming it (written last, so a save point exists once progress.json names it; the one before
 is removed after). When SFT is done: the step's ``adapter/``, ``trainer/`` and ``training.json`` as any step's,
 ``training.json`` carrying the SFT metrics and the record ``sft: {data_sha256, settings}``; then the save points
 are removed. ``training.json`` present means done: SFT never runs twice. A resume whose demonstrations (content

@@ -44,19 +44,19 @@ def test_killed_sft_resumes_without_redoing_finished_epochs(fork_launcher, tmp_p
 
     code, out = _sft(fork_launcher, tmp_path, root, demos, crash_at="sft-saved:3")  # in the middle of epoch 2
     assert code == -signal.SIGKILL, out[-3000:]
-    progress = store.get_json(0, "sft/progress.json")
+    progress = store.get_json(0, "sft-progress/progress.json")
     assert progress["optimizer_steps"] == 3 and progress["epoch"] == 1 and progress["batch"] == 1
     assert len(progress["epoch_losses"]) == 1  # epoch 1 finished before the kill
     assert not store.exists(0, "training.json") and store.read_run_config() is None
-    assert store.list_files(0, "sft/000002/") == []  # an older save point is removed once a newer one is stored
-    assert store.list_files(0, "sft/000003/adapter/")
+    assert store.list_files(0, "sft-progress/000002/") == []  # an older save point is removed once a newer one is stored
+    assert store.list_files(0, "sft-progress/000003/adapter/")
 
     code, out = _sft(fork_launcher, tmp_path, root, demos)
     assert code == 0, out[-3000:]
     assert "epoch 3/3: loss" in out
     metrics = store.get_json(0, "training.json")["metrics"]
     assert metrics["sft/steps_run"] == 3 and metrics["sft/optimizer_steps"] == 6  # steps 4-6 only
-    assert store.list_files(0, "sft/") == ["sft/progress.json"]  # save points gone, step 0's checkpoint holds it
+    assert store.list_files(0, "sft-progress/") == ["sft-progress/progress.json"]  # save points gone, step 0's checkpoint holds it
 
     # the uninterrupted reference, and the finished run once more, here (no process start: the machine is shared)
     from tasks.run_config import load_config

@@ -36,7 +36,7 @@ FILE_NAMES = frozenset({
     "state.pt", "trainer.json", "metrics.json", "training.json", "progress.json", "eval.parquet", "reward_curve.png",
     "judge-cache", "prefect-results", "recoveries",
 })
-DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations"})
+DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations", "sft-progress"})
 
 # (file, name) -> why the name may be spelled there
 ALLOWED: dict[tuple[str, str], str] = {}
