@@ -52,6 +52,7 @@ from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.lora_slots import LoraSlots
 from backends.inference.sampling import choice_seed, sample, uniform
+from backends.modeling.chat_render import end_of_turn_ids
 
 log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
@@ -187,7 +188,7 @@ class Engine:
         cache_dir = Path(config.adapter_cache_dir) if config.adapter_cache_dir else cache_root()
         self.adapters = AdapterRegistry([name], info["layout"], info["num_layers"], config.max_lora_rank,
                                         cache_dir, config.max_cpu_loras, self.dtype)
-        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
                       "generated_tokens": 0, "decode_seconds": 0.0}
         self._cv = threading.Condition()
@@ -208,18 +209,6 @@ class Engine:
 
         hf_model, tok, spec = load_model(model, device=device, dtype=dtype)
         return cls(hf_model, tok, served_name or spec.name, config)
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        ids: set[int] = set()
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if value is not None:
-                ids.add(int(value))
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        return ids
 
     # -- public API -------------------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, replace: bool = False) -> AdapterEntry:

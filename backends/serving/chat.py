@@ -23,7 +23,6 @@ Dialect (what vLLM's OpenAI server does, so callers cannot tell the two apart):
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -31,10 +30,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError, SamplingParams
+from backends.modeling.chat_render import ChatRenderError, render_chat, tool_names
 from backends.serving.tool_calls import parse_tool_calls
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
 
 class SamplingFields(BaseModel):
     """Request fields chat and text completions share (extra keys are kept and ignored). Types are strict, as
@@ -140,74 +137,15 @@ def sampling_params(req: ChatRequest) -> SamplingParams:
     return req.sampling(req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
 
 
-def _text_of(content: Any, where: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise RequestError(f"{where}.content must be a string, a list of text parts, or null")
-
-
-def normalise_messages(messages: list[dict], args_as_strings: bool) -> list[dict]:
-    """Check roles/contents and produce the plain dicts chat templates expect."""
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"{where} must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        content = _text_of(m.get("content"), where)
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-        if role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            if not isinstance(calls, list):
-                raise RequestError(f"{where}.tool_calls must be a list")
-            msg["tool_calls"] = []
-            for j, call in enumerate(calls):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RequestError(f"{where}.tool_calls[{j}] needs function.name")
-                args = fn.get("arguments", "{}")
-                if not args_as_strings and isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except ValueError:
-                        raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
-                msg["tool_calls"].append({"id": call.get("id"), "type": "function",
-                                          "function": {"name": fn["name"], "arguments": args}})
-        elif content is None and role != "assistant":
-            raise RequestError(f"{where}.content is required for role {role!r}")
-        if role == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = m["tool_call_id"]
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
 def _check_tools(req: ChatRequest) -> list[dict] | None:
     if not req.tools:
         if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
             raise RequestError("tool_choice requires tools")
         return None
-    names = []
-    for i, tool in enumerate(req.tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(fn, dict) or tool.get("type", "function") != "function"
-                or not isinstance(fn.get("name"), str)):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
-        params = fn.get("parameters")
-        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON Schema object "
-                               f"({{'type': 'object', 'properties': ...}}), got {params!r:.80}")
-        names.append(fn["name"])
+    try:
+        names = tool_names(req.tools)
+    except ChatRenderError as e:
+        raise RequestError(str(e)) from None
     if isinstance(req.tool_choice, dict) and req.tool_choice["function"]["name"] not in names:
         raise RequestError(f"tool_choice names {req.tool_choice['function']['name']!r}, not among the tools "
                            f"({', '.join(names)})")
@@ -215,29 +153,13 @@ def _check_tools(req: ChatRequest) -> list[dict] | None:
 
 
 def render_prompt(tokenizer, req: ChatRequest) -> list[int]:
-    """Prompt token ids: the chat template over the messages (and tools), with the generation prompt."""
-    from jinja2 import TemplateError
-
-    from backends.modeling.loading import TOOL_CHAT_TEMPLATE
-
+    """Prompt token ids: the chat template over the messages (and tools), with the generation prompt
+    (backends/modeling/chat_render.py, shared with supervised training)."""
     tools = _check_tools(req)
-    template = tokenizer.chat_template
-    if isinstance(template, dict):
-        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
-    if not template:
-        raise RequestError("this model has no chat template")
-    if tools and "tools" not in template:
-        if "<|im_start|>" not in template:
-            raise RequestError("this model's chat template does not render tools")
-        template = TOOL_CHAT_TEMPLATE
-    messages = normalise_messages(req.messages, args_as_strings="is string" in template)
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                            add_generation_prompt=True, tokenize=True, return_dict=True)
-    except TemplateError as e:
-        raise RequestError(f"the chat template rejected the messages: {e}") from None
-    ids = ids["input_ids"]
-    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+        return render_chat(tokenizer, req.messages, tools, add_generation_prompt=True)
+    except ChatRenderError as e:
+        raise RequestError(str(e)) from None
 
 
 class TokenText:

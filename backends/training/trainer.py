@@ -237,11 +237,13 @@ class GRPOTrainer:
             out = decoder(**kwargs)
         return out[0][0]
 
-    def _token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp, entropy) of the micro-batch's trained tokens under the current model."""
+    def _token_logprobs(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy) of the micro-batch's trained tokens under the current model, the logits divided by
+        `temperature` (None: the sampler's, ``TrainerConfig.temperature``)."""
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
-        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, self.config.temperature,
+        temperature = self.config.temperature if temperature is None else temperature
+        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, temperature,
                                 compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
 
     def _check_vocabulary(self, rows: Sequence[TrainingRow]) -> None:
@@ -250,9 +252,9 @@ class GRPOTrainer:
             if top >= self.vocab_size:
                 raise ValueError(f"{r.source}: token id {top} is outside the model's vocabulary ({self.vocab_size})")
 
-    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[MicroBatch]:
+    def _micro_batches(self, rows: Sequence[TrainingRow], budget: int | None = None) -> list[MicroBatch]:
         self._check_vocabulary(rows)
-        bins = plan_bins([len(r) for r in rows], self.config.micro_batch_tokens, pack=self.packed)
+        bins = plan_bins([len(r) for r in rows], budget or self.config.micro_batch_tokens, pack=self.packed)
         return [make_micro_batch([rows[i] for i in b], self.device) for b in bins]
 
     def _shape_advantages(self, batches: list[MicroBatch]) -> float:
@@ -272,6 +274,27 @@ class GRPOTrainer:
         for mb, d in zip(batches, deltas):
             mb.advantages = mb.advantages + d.float()
         return mean_k
+
+    # --- for other objectives over the same rows (backends/training/sft.py) ------------------------------------
+    def micro_batches(self, rows: Sequence[TrainingRow], budget: int | None = None) -> list[MicroBatch]:
+        """`rows` packed into micro-batches of at most `budget` tokens (None: ``micro_batch_tokens``) on the
+        trainer's device; a token id outside the vocabulary is an error naming its row."""
+        return self._micro_batches(rows, budget)
+
+    def token_logprobs(self, mb: MicroBatch, temperature: float | None = None) -> torch.Tensor:
+        """The current model's logprob of each trained token of `mb` (with gradients); see `_token_logprobs`."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._token_logprobs(mb, temperature)[0]
+
+    @property
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA weights (float32 master copies) the optimizer updates."""
+        return self._params
+
+    @property
+    def causal_lm(self):
+        """The transformers model under the adapter (its config, generation config)."""
+        return self._lm
 
     # --- the step --------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
