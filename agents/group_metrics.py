@@ -6,7 +6,6 @@ import math
 
 from agents.trajectory import TrajectoryGroup
 
-
 # name -> (numerator, denominator): per-trajectory counts whose ratio of sums is the metric. A mean of per-episode
 # ratios would weigh an episode of one call like one of ten; these weigh every call (every reply) the same.
 RATIOS: dict[str, tuple[str, str]] = {

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.learning_loop import (  # noqa: E402 - the repository root goes on sys.path first
+from benchmarks.learning_loop import (  # the repository root goes on sys.path first
     InProcessPolicy,
     common_arguments,
     environment,
@@ -41,6 +41,8 @@ from benchmarks.learning_loop import (  # noqa: E402 - the repository root goes 
     job_main,
     pick_train_scenarios,
     run_jobs,
+    save_figure,
+    two_panels,
 )
 
 KEYS = ("correct", "format_ok")  # the arithmetic agent's metrics, beside the reward
@@ -115,12 +117,7 @@ def summarise(jobs: list[dict]) -> dict:
 
 
 def plot(jobs: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=110)
+    fig, (ax1, ax2) = two_panels()
     styles = {lr: st for lr, st in zip(sorted({j["lr"] for j in jobs}), ("-", "--", ":", "-."))}
     for j in jobs:
         label = f"seed {j['seed']}, lr {j['lr']:g}"
@@ -133,13 +130,7 @@ def plot(jobs: list[dict], path: Path, title: str) -> None:
                  color=color, alpha=0.5, label=f"{label}: greedy correct")
     ax1.set(xlabel="step", ylabel="mean train reward (rollouts of the step)", title="train reward")
     ax2.set(xlabel="step", ylabel="val", title="val: mean reward (sampled) and greedy accuracy")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, (ax1, ax2), path, title)
 
 
 def main() -> int:

@@ -216,6 +216,29 @@ async def grpo_step(agent, pol: InProcessPolicy, scenarios, k: int, args, run: s
             **{m: metrics[m] for m in TRAIN_METRICS if m in metrics}}
 
 
+def two_panels():
+    """A figure of two side-by-side panels, drawn off-screen: (fig, (left, right))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=(12, 4.2), dpi=110)
+
+
+def save_figure(fig, axes, path: Path, title: str, legend_size: int = 6) -> None:
+    """Grid and legend on each panel, the title, written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def environment(device: str) -> dict:
     import peft
     import torch

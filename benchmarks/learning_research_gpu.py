@@ -40,17 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.learning_loop import (  # noqa: E402 - the repository root goes on sys.path first
-    REPO,
-    InProcessPolicy,
-    common_arguments,
-    environment,
-    evaluate,
-    grpo_step,
-    job_main,
-    pick_train_scenarios,
-    run_jobs,
-)
+from benchmarks import learning_loop as loop  # the repository root goes on sys.path first
 
 SUMMARY_KEYS = ("val_reward_base", "val_reward_sft", "val_reward_rl", "rl_over_sft_min_seed_delta",
                 "tool_call_validity", "seeds")
@@ -100,15 +90,14 @@ async def _run_job(model_dir: str, args, seed: int, lr: float) -> dict:
     agent, greedy_agent = get_agent(args.agent, **options), get_agent(args.agent, **{**options, "temperature": 0.0})
     pool, val = agent.scenarios("train", seed=seed), val_set(agent, args.val_size)
     demos = [json.loads(x) for x in Path(args.demos).read_text().splitlines() if x.strip()][:args.sft_count or None]
-    pol = InProcessPolicy(model_dir, args, seed=seed, lr=lr, name=f"learn-{run}",
+    pol = loop.InProcessPolicy(model_dir, args, seed=seed, lr=lr, name=f"learn-{run}",
                           batch_size=max(args.group_size * args.groups_per_step, len(val) * args.eval_samples))
     evals, steps, stopped_early = [], [], False
 
     async def eval_now(stage: str, step: int) -> dict:
         t0 = time.perf_counter()
-        result = {"stage": stage, "step": step, **await evaluate(agent, greedy_agent, pol.client, pol.policy, val,
-                                                                 args.eval_samples, spec.keys),
-                  "eval_s": round(time.perf_counter() - t0, 1)}
+        scores = await loop.evaluate(agent, greedy_agent, pol.client, pol.policy, val, args.eval_samples, spec.keys)
+        result = {"stage": stage, "step": step, **scores, "eval_s": round(time.perf_counter() - t0, 1)}
         print(f"[{run}] eval {stage} @{step}: reward {result['reward']:.3f} "
               + " ".join(f"{k} {result[k]:.3f}" for k in spec.keys[:3]), flush=True)
         return result
@@ -126,8 +115,8 @@ async def _run_job(model_dir: str, args, seed: int, lr: float) -> dict:
                 stopped_early = True
                 print(f"[{run}] time budget reached before step {k}: stopping", flush=True)
                 break
-            steps.append(await grpo_step(agent, pol, pick_train_scenarios(pool, seed, k, args.groups_per_step), k,
-                                         args, run, spec.keys))
+            scenarios = loop.pick_train_scenarios(pool, seed, k, args.groups_per_step)
+            steps.append(await loop.grpo_step(agent, pol, scenarios, k, args, run, spec.keys))
             print(f"[{run}] step {k}: train reward {steps[-1]['train_reward']:.3f} rollouts "
                   f"{steps[-1]['rollout_s']:.1f}s train+publish {steps[-1]['train_publish_s']:.1f}s", flush=True)
             if k % args.eval_every == 0:
@@ -187,59 +176,51 @@ def _fmt(x) -> str:
     return "n/a" if _finite(x) is None else f"{x:.3f}"
 
 
+def _row(seed, stage: str, e: dict, keys: tuple[str, ...]) -> str:
+    cells = [str(seed), stage, _fmt(e["reward"]), *(_fmt(e[k]) for k in keys), _fmt(e["greedy_reward"])]
+    return "| " + " | ".join(cells) + " |"
+
+
 def report(result: dict, keys: tuple[str, ...]) -> str:
-    s, cfg = result["summary"], result["config"]
-    lines = [f"# {cfg['agent']}: base -> SFT -> GRPO ({result['environment'].get('gpu', cfg['device'])}, "
-             f"{result['environment']['date']})", "",
-             f"Command: `{result['command']}`", "",
-             f"Val set: {result['val_set']}. Demonstrations: {cfg['demos']} ({result['jobs'][0]['demos']} lines), "
-             f"{cfg['sft_epochs']} epoch(s) at lr {cfg['sft_lr']:g}; then up to {cfg['steps']} GRPO steps of "
-             f"{cfg['groups_per_step']} groups x {cfg['group_size']} at lr {cfg['lr']:g}. Wall {result['wall_s']} s.",
-             "", "| seed | stage | val reward | " + " | ".join(keys) + " | greedy reward |",
-             "|---|---|---|" + "---|" * len(keys) + "---|"]
-    for p in result["per_seed"]:
-        for st in STAGES:
-            e = p[st]
-            lines.append(f"| {p['seed']} | {st} | {_fmt(e['reward'])} | " + " | ".join(_fmt(e[k]) for k in keys)
-                         + f" | {_fmt(e['greedy_reward'])} |")
-    for st in STAGES:
-        e = result["stage_means"][st]
-        lines.append(f"| mean | {st} | {_fmt(e['reward'])} | " + " | ".join(_fmt(e[k]) for k in keys)
-                     + f" | {_fmt(e['greedy_reward'])} |")
-    lines += ["", "Summary: " + ", ".join(f"{k} {v if k == 'seeds' else _fmt(v)}" for k, v in s.items()) + ".",
-              f"GRPO steps done per seed: {[p['steps_done'] for p in result['per_seed']]}; failed jobs: "
-              f"{result['failed_jobs'] or 'none'}.", ""]
+    s, cfg, env = result["summary"], result["config"], result["environment"]
+    lines = [
+        f"# {cfg['agent']}: base -> SFT -> GRPO ({env.get('gpu', cfg['device'])}, {env['date']})", "",
+        f"Command: `{result['command']}`", "",
+        (f"Val set: {result['val_set']}. Demonstrations: {cfg['demos']} ({result['jobs'][0]['demos']} lines), "
+         f"{cfg['sft_epochs']} epoch(s) at lr {cfg['sft_lr']:g}; then up to {cfg['steps']} GRPO steps of "
+         f"{cfg['groups_per_step']} groups x {cfg['group_size']} at lr {cfg['lr']:g}. Wall {result['wall_s']} s."), "",
+        "| " + " | ".join(["seed", "stage", "val reward", *keys, "greedy reward"]) + " |",
+        "|" + "---|" * (len(keys) + 4),
+        *(_row(p["seed"], st, p[st], keys) for p in result["per_seed"] for st in STAGES),
+        *(_row("mean", st, result["stage_means"][st], keys) for st in STAGES), "",
+        "Summary: " + ", ".join(f"{k} {v if k == 'seeds' else _fmt(v)}" for k, v in s.items()) + ".",
+        (f"GRPO steps done per seed: {[p['steps_done'] for p in result['per_seed']]}; failed jobs: "
+         f"{result['failed_jobs'] or 'none'}."), ""]
     return "\n".join(lines)
 
 
+def _point(e: dict, key: str) -> float:
+    """A plotted value; a missing one (NaN) leaves a gap in the line."""
+    return math.nan if _finite(e.get(key)) is None else e[key]
+
+
 def plot(jobs: list[dict], path: Path, title: str, curve: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=110)
+    fig, (ax1, ax2) = loop.two_panels()
     for j in jobs:
         color = f"C{j['seed'] % 10}"
         for ax, key in ((ax1, "reward"), (ax2, curve)):
-            value = lambda e: math.nan if _finite(e.get(key)) is None else e[key]  # noqa: E731 - a gap in the line
-            ax.plot([e["step"] for e in j["evals"]], [value(e) for e in j["evals"]], "o-", color=color,
+            ax.plot([e["step"] for e in j["evals"]], [_point(e, key) for e in j["evals"]], "o-", color=color,
                     label=f"seed {j['seed']}")
-            ax.plot([-1], [value(j["stages"]["base"])], "s", color=color, markersize=8)
-            ax.plot([0], [value(j["stages"]["sft"])], "D", color=color, markersize=8)
+            ax.plot([-1], [_point(j["stages"]["base"], key)], "s", color=color, markersize=8)
+            ax.plot([0], [_point(j["stages"]["sft"], key)], "D", color=color, markersize=8)
     for ax, label in ((ax1, "val mean reward (sampled)"), (ax2, f"val {curve}")):
         ax.set(xlabel="GRPO step (-1: base model, square; 0: after SFT, diamond)", ylabel=label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    loop.save_figure(fig, (ax1, ax2), path, title, legend_size=7)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    common_arguments(ap, out="benchmarks/results/learning_research_h200")
+    loop.common_arguments(ap, out="benchmarks/results/learning_research_h200")
     ap.add_argument("--agent", choices=sorted(AGENTS), default="research")
     ap.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the agent (repeatable), e.g. max_turns=4")
@@ -252,14 +233,15 @@ def main() -> int:
     ap.add_argument("--sft-batch-size", type=int, default=8)
     ap.set_defaults(steps=20, group_size=8, groups_per_step=16, eval_every=5, eval_samples=4, max_seq_len=None)
     args = ap.parse_args()
-    args.demos = args.demos or str(REPO / "configs" / "demos" / f"{args.agent}-train.jsonl")
+    args.demos = args.demos or str(loop.REPO / "configs" / "demos" / f"{args.agent}-train.jsonl")
     args.max_seq_len = args.max_seq_len or AGENTS[args.agent].max_seq_len
-    handled = job_main(args, _run_job)
+    handled = loop.job_main(args, _run_job)
     if handled is not None:
         return handled
 
     t0 = time.perf_counter()
-    model_dir, model_info, jobs, failed = run_jobs(__file__, args, [(s, args.lr) for s in args.seeds], _run_job)
+    specs = [(s, args.lr) for s in args.seeds]
+    model_dir, model_info, jobs, failed = loop.run_jobs(__file__, args, specs, _run_job)
     if not jobs:
         print("every job failed: " + "; ".join(failed))
         return 1
@@ -276,7 +258,7 @@ def main() -> int:
                                                  "group_size", "groups_per_step", "lora_rank", "eval_every",
                                                  "eval_samples", "val_size", "max_seq_len", "demos", "sft_count",
                                                  "sft_epochs", "sft_lr", "sft_batch_size", "time_budget_s")},
-        "model_info": model_info, "environment": environment(args.device),
+        "model_info": model_info, "environment": loop.environment(args.device),
         "wall_s": round(time.perf_counter() - t0, 1), "failed_jobs": failed, "jobs": jobs,
     }
     result = _clean(result)

@@ -34,13 +34,13 @@ def read_prompt(text: str) -> tuple[str, str]:
     return "".join(cell for row in rows for cell in row[1:]), mark.group(1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def value(board: str, mark: str) -> int:
     """The negamax value of ``board`` for ``mark`` to move (see the module docstring)."""
     return max(move_values(board, mark).values())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def move_values(board: str, mark: str) -> dict[int, int]:
     """Each empty cell's value for ``mark``."""
     other = "O" if mark == "X" else "X"
