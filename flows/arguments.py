@@ -47,6 +47,17 @@ def eval_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argum
     return parser
 
 
+def sft_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """CONFIG, --set, --verbose of `trajflow sft` (flows/sft.py); None: `python -m flows.sft`."""
+    parser = parser or argparse.ArgumentParser(prog="python -m flows.sft")
+    parser.description = ("Run only the supervised warm start of CONFIG (its `sft` section): train step 0 on the "
+                          "demonstrations, resuming a killed one; `trajflow train` then publishes it and goes on.")
+    parser.epilog = CONFIG_HELP
+    _config_arguments(parser)
+    _console_arguments(parser)
+    return parser
+
+
 def config_show_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """CONFIG and --set of `trajflow config show`."""
     parser.description = ("Print the effective config (CONFIG, or the defaults, with --set applied) as YAML, each "

@@ -1,5 +1,6 @@
-"""The `trajflow` command: `train` and `eval` run the flows, `deploy` sets up a Prefect server, `config show` prints
-a config, `demos` writes an example agent's expert demonstrations; other areas add their own.
+"""The `trajflow` command: `train` and `eval` run the flows, `sft` a config's supervised warm start, `deploy` sets up a
+Prefect server, `config show` prints a config, `demos` writes an example agent's expert demonstrations; other areas add
+their own.
 
 Building the parser stays light (argparse only): a flow, and everything it imports, loads when its command runs.
 `python -m flows.train` and `python -m flows.evaluate` take the same arguments (flows/arguments.py).
@@ -11,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from flows.arguments import config_show_parser, demos_parser, deploy_parser, eval_parser, train_parser
+from flows.arguments import config_show_parser, demos_parser, deploy_parser, eval_parser, sft_parser, train_parser
 
 # module -> what it adds: backends (serve, backend serve), storage (runs, fork)
 _COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli", "storage.fork_cli")
@@ -25,6 +26,12 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> int:
     from flows.evaluate import run_command
+
+    return run_command(args)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from flows.sft import run_command
 
     return run_command(args)
 
@@ -52,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Train LLM agents with GRPO in durable Prefect flows.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_parser(sub.add_parser("train", help="train an agent (resumes a stored run)")).set_defaults(func=_run_train)
+    sft_parser(sub.add_parser("sft", help="only the supervised warm start (step 0) of a config with sft")
+               ).set_defaults(func=_run_sft)
     eval_parser(sub.add_parser("eval", help="evaluate policies on the validation split")).set_defaults(func=_run_eval)
     deploy_parser(sub.add_parser("deploy", help="set up a Prefect server: pools, deployments, crash automations")
                   ).set_defaults(func=_run_deploy)

@@ -8,7 +8,8 @@ and again by Python. So the commands check, in this order and once each:
    so the cause is the operating system's own ("permission denied", "is a file, not a folder", "read-only file
    system"); a URL root is opened through the store and, on S3, its bucket is checked. Exit code 1;
 3. a stored run of the same name was made with the same settings that define a run (``check_run_identity``),
-   exit code 2, and no other live process holds the run's lease (storage/lease.py), exit code 1;
+   exit code 2, its demonstrations (``sft.data``) read and parse, each bad line named, and are those its step 0
+   was trained on (exit code 2), and no other live process holds the run's lease (storage/lease.py), exit code 1;
 4. a PREFECT_API_URL that is set answers Prefect's health check (else Prefect would retry, then fail mid-start).
    Exit code 1;
 5. (in ``check_run``) the GPUs the config places inference and training on exist here
@@ -31,6 +32,7 @@ from storage.lease import RunLease
 from storage.store import RunStore
 from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, check_run_identity, load_config
+from tasks.sft import check_sft_identity, load_demonstrations
 from tasks.support.placement import placement_problems, visible_gpus
 
 USAGE_EXIT = 2
@@ -112,6 +114,9 @@ def check_run(config: RunConfig) -> None:
     try:
         store = RunStore(config.storage, config.project, config.run)
         check_run_identity(store.read_run_config(), config)
+        if config.sft is not None:
+            load_demonstrations(config)  # a bad line or a missing file is said now, in one line
+        check_sft_identity(config, store)
         lease = RunLease(store, "trajflow train")
         holder = lease.blocker()
     except StorageError as exc:

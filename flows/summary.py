@@ -79,8 +79,9 @@ def train_summary(config: RunConfig, args: argparse.Namespace, result: dict[str,
     ]
     first = result.get("resumed_from")
     done = f"steps {(first or 0) + 1}-{step}" if step > (first or 0) + 1 else f"step {step}"
-    lines = [f"{name}: at step {step}; this run trained {done} (step 0 is the untrained policy)" if step else
-             f"{name}: at step 0, the untrained policy"]
+    zero = "the SFT'd policy" if config.sft is not None else "the untrained policy"
+    lines = [f"{name}: at step {step}; this run trained {done} (step 0 is {zero})" if step else
+             f"{name}: at step 0, {zero}"]
     lines += [f"  {label:<15}{value}" for label, value in rows if value]
     lines.append("next:")
     lines += [f"  {label:<15}{command}" for label, command in commands.items()]

@@ -1,6 +1,7 @@
 """The training flow: `trajflow train CONFIG` or `python -m flows.train CONFIG [--set k=v ...]`.
 
-Each step k (1-based; step 0 is the seeded initial adapter) is a chain of cached tasks:
+Each step k (1-based; step 0 is the seeded initial adapter, or with ``sft`` the adapter trained on demonstrations,
+tasks/sft.py) is a chain of cached tasks:
 sample scenarios -> rollouts with policy <run>@<k-1> -> score -> GRPO update -> publish <run>@<k>
 (-> evaluate every `eval_every` steps) -> commit (manifest written last) -> retention -> artifacts.
 
@@ -35,6 +36,7 @@ from prefect import flow
 
 from agents.group_metrics import merge_step_metrics
 from backends.policy.checkpoints import training_result
+from backends.policy.sft import sft_metrics
 from flows.arguments import train_parser
 from flows.command import run_flow_command
 from flows.console import announce_flow_run
@@ -47,6 +49,7 @@ from tasks.pipeline import RolloutsAhead
 from tasks.publish import publish_policy
 from tasks.run_config import RunConfig, check_run_identity
 from tasks.scoring import score_groups
+from tasks.sft import check_sft_identity, sft_policy
 from tasks.support.crash_points import crash_point
 from tasks.support.placement import describe as describe_placement
 from tasks.support.placement import visible_gpus
@@ -126,15 +129,19 @@ def _safe_point(lease: RunLease, step: int, stage: str) -> None:
 def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, flow_run_url) -> dict[str, Any]:
     """Step 0 (or the resume point), then every step up to `config.steps`, each committed before the next."""
     check_run_identity(store.read_run_config(), config)
+    check_sft_identity(config, store)
     log.info("placement: %s", describe_placement(config, visible_gpus(config)))
     committed = store.committed_steps()
     last = committed[-1] if committed else None
     resumed_from = last
     if last is None:
-        training = initialize_policy_fn(config)
+        if config.sft is not None:  # step 0 is the SFT'd adapter (tasks/sft.py)
+            training = with_run_storage(sft_policy)(config, 0)
+        else:
+            training = initialize_policy_fn(config)
         store.write_run_config(config.model_dump(mode="json"))  # step 0 exists: the run is this config's now
         publish = with_run_storage(publish_policy)(config, 0, training)
-        metrics = dict(publish["metrics"])
+        metrics = {**sft_metrics(training), **publish["metrics"]}
         if _evaluate_due(config, 0):
             metrics.update(with_run_storage(evaluate_policy)(config, 0))
         lease.check(fresh=True)

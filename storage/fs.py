@@ -417,3 +417,16 @@ class Location:
             return os.path.isdir(local)
         self.check_root()
         return True
+
+
+def read_url(url: str, storage_options: dict | None = None) -> bytes:
+    """The bytes of one file named by a local path, ``file://PATH`` or ``s3://BUCKET/KEY`` (:data:`SCHEMES`; any
+    other scheme, ``http(s)://`` included, is refused by :func:`normalize_root`: nothing here fetches a URL a caller
+    chose from the web)."""
+    full = normalize_root(url)
+    parent, _, name = full.rpartition("/")
+    parent = parent or "/"
+    if not name or parent.endswith(":/"):
+        raise StorageError(f"invalid file {url!r}: expected a path to a file (a folder, or s3://BUCKET/KEY)")
+    return Location(parent, storage_options).read_bytes(name)
+

@@ -16,6 +16,11 @@
                                                          written after adapter/ and trainer/: the update is done
                                      eval/<NNNN>.parquet, eval.parquet   validation rollouts and their scores
                                      logs/<split>.parquet  trajectories an ART-style script logged
+                                     sft-progress/progress.json   a step made by SFT (a run's step 0 with `sft`):
+                                                         where the supervised warm start is (written last at
+                                                         each save point)
+                                     sft-progress/<NNNNNN>/{adapter,trainer}/   its save point after NNNNNN
+                                                         optimizer steps (removed once training.json exists)
 <root>/<project>/<run>/judge-cache/<hash>.json           judge verdicts by content hash
 <root>/<project>/<run>/recoveries/<flow run id>.json      a crashed flow run of a deployment and what `recover` did
 <root>/<project>/<run>/evaluations/<stamp>/...           `trajflow eval` rollouts; <stamp>.json, <stamp>.png
@@ -53,6 +58,8 @@ TRAINING_RESULT = "training.json"
 EVAL_GROUPS_DIR = "eval"
 EVAL_SCORED = "eval.parquet"
 LOGS_DIR = "logs"
+SFT_DIR = "sft-progress"
+SFT_PROGRESS = f"{SFT_DIR}/progress.json"
 
 # inside a run
 JUDGE_CACHE_DIR = "judge-cache"
@@ -76,6 +83,11 @@ def logged_split(split: str) -> str:
     """``logs/val.parquet``: trajectories an ART-style script logged for ``split`` (named like a run: no ``""``,
     ``"."`` or ``/``)."""
     return f"{LOGS_DIR}/{validate_name('split', split)}.parquet"
+
+
+def sft_save_point(optimizer_steps: int) -> str:
+    """``sft-progress/000040``: the supervised warm start's save point after ``optimizer_steps`` steps (under its step)."""
+    return f"{SFT_DIR}/{optimizer_steps:06d}"
 
 
 def judge_cache_file(key: str) -> str:

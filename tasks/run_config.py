@@ -20,6 +20,7 @@ from agents.rewards import RewardConfig
 from agents.tracking import TrackingConfig
 from backends.modeling.devices import check_device_spelling
 from backends.training.config import TrainerConfig
+from backends.training.sft_config import SFTConfig
 from storage.names import validate_name
 from tasks.config_errors import ConfigError, describe
 
@@ -165,6 +166,34 @@ class TrainingPlacement(BaseModel):
         return check_device_spelling(value)
 
 
+class SFTStage(SFTConfig):
+    """Step 0 as a supervised warm start: the LoRA adapter trained on demonstrations before the GRPO steps."""
+
+    data: str = Field(
+        description="demonstrations, JSONL, one OpenAI chat-format conversation per line ({messages, tools?, "
+        "metadata?}): a local path, file://PATH or s3://BUCKET/KEY (read through the storage layer, with its "
+        "credentials). Web URLs are not fetched. Its content hash is part of the run: another file on resume is "
+        "refused")
+
+    @field_validator("data")
+    @classmethod
+    def _local_or_storage(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0].lower() if "://" in value else None
+        if scheme in ("http", "https"):
+            raise ValueError(f"{value!r} is a web URL, and trajflow fetches no URL a config names (security rule); "
+                             "download it and give a local path, or put it in storage: file://PATH or s3://BUCKET/KEY")
+        if scheme not in (None, "file", "s3", "s3a"):
+            raise ValueError(f"{value!r}: scheme {scheme!r} is not supported; give a local path, file://PATH or "
+                             "s3://BUCKET/KEY")
+        if not value.strip():
+            raise ValueError("give the demonstrations file (a local path, file://PATH or s3://BUCKET/KEY)")
+        return value
+
+    def settings(self) -> SFTConfig:
+        """The training settings, without where the data is."""
+        return SFTConfig(**self.model_dump(exclude={"data"}))
+
+
 class RunConfig(BaseModel):
     """One training run: agent, model, storage and schedule first, then the trainer, then the internals."""
 
@@ -184,6 +213,8 @@ class RunConfig(BaseModel):
     groups_per_step: int = Field(default=4, ge=1, description="scenarios per step; more = less noisy gradient, slower step")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig,
                                    description="GRPO trainer settings, the learning rate first")
+    sft: SFTStage | None = Field(default=None, description="supervised warm start: step 0 is the adapter trained on "
+                                 "these demonstrations (then GRPO continues from it); None: step 0 is the base model")
     eval_every: int = Field(default=0, ge=0, description="evaluate on validation scenarios every k steps; 0 = never")
     eval_scenarios: int = Field(default=16, ge=1, description="validation scenarios per evaluation")
     eval_at_start: bool = Field(default=False, description="also evaluate the base policy before the first step")
@@ -205,8 +236,10 @@ class RunConfig(BaseModel):
 
     # What a run IS: continuing a stored run under other values would mix two experiments under one name. Of the
     # trainer, only TrainerConfig.IDENTITY_FIELDS count (see check_run_identity).
+    # Of sft, its SFTConfig.identity() settings count; the data file's content is checked by its hash
+    # (tasks/sft.py), so the same demonstrations may move to another path.
     IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = ("agent", "agent_options", "base_model", "seed", "group_size",
-                                                  "groups_per_step", "trainer")
+                                                  "groups_per_step", "sft", "trainer")
 
     @field_validator("project", "run")
     @classmethod
@@ -234,6 +267,13 @@ def _differs(stored: Any, current: Any) -> bool:
     return stored != current
 
 
+def _sft_identity(sft: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of a stored or current ``sft`` section that defines the run (SFTStage's data path aside)."""
+    if sft is None:
+        return None
+    return {k: v for k, v in sft.items() if k != "data" and k not in SFTConfig.NON_IDENTITY_FIELDS}
+
+
 def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None:
     """Refuse to continue a run whose ``RunConfig.IDENTITY_FIELDS`` changed; other trainer changes are logged.
 
@@ -250,6 +290,9 @@ def check_run_identity(stored: dict[str, Any] | None, config: RunConfig) -> None
     if tuned:
         log.warning("run %s/%s continues with changed trainer settings: %s", config.project, config.run,
                     "; ".join(tuned))
+    stored, current = dict(stored), dict(current)
+    if "sft" in stored:
+        stored["sft"], current["sft"] = _sft_identity(stored["sft"]), _sft_identity(current["sft"])
     changed = [f for f in RunConfig.IDENTITY_FIELDS
                if f != "trainer" and f in stored and _differs(stored[f], current.get(f))]
     if TrainerConfig.identity_changes(stored_trainer, current_trainer):

@@ -6,7 +6,9 @@ scripts ART's calls over them:
 - ``await backend.train(model, groups, learning_rate=..., loss_fn=...)`` (ART's keywords: train_options.py) and the
   deprecated ``model.train(groups, config=...)`` both end in :meth:`train_with_config`;
 - ``await model.log(trajectories_or_groups, split="val", metrics=..., step=...)`` ends in :meth:`log`;
-- ``await backend._experimental_fork_checkpoint(model, from_model, ...)`` with ART's signature.
+- ``await backend._experimental_fork_checkpoint(model, from_model, ...)`` with ART's signature;
+- ``await backend.train_sft(model, trajectories_or_conversations, config=...)``: ART's ``train_sft`` in spirit, a
+  supervised step on demonstrations (backends/policy/sft.py), committed as the run's next step.
 
 Tracking happens here, in the script's process: a TrainableModel with ``tracking`` gets one tracker run when it
 registers (agents/tracking/), each committed step is logged with a few of its trajectories, each ``model.log`` at
@@ -25,6 +27,7 @@ from agents.model import Model, TrainableModel, TrainConfig, TrainResult, as_gro
 from agents.tracking import RunTracker
 from agents.trajectory import TrajectoryGroup
 from backends.art.train_options import train_config
+from backends.training.sft_config import SFTConfig
 
 
 class LogResult(BaseModel):
@@ -52,6 +55,10 @@ class BackendAPI:
 
     async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         raise NotImplementedError
+
+    async def _train_sft(self, model: TrainableModel, conversations: list[Any], config: SFTConfig) -> TrainResult:
+        raise NotImplementedError(f"{type(self).__name__} does not run SFT; use LocalBackend (or `trajflow sft` on "
+                                  "the training machine)")
 
     async def record_log(self, model: Model, groups: list[TrajectoryGroup], split: str,
                          metrics: dict[str, float] | None = None, step: int | None = None) -> LogResult:
@@ -91,6 +98,25 @@ class BackendAPI:
         tracker = self._tracker(model)
         if tracker is not None:
             tracker.log_step(result.step, result.metrics, groups)
+        return result
+
+    async def train_sft(self, model: TrainableModel, trajectories: Iterable[Any],
+                        config: SFTConfig | dict[str, Any] | None = None, *, verbose: bool = False,
+                        **options: Any) -> TrainResult:
+        """Supervised fine-tuning of the model's adapter on demonstrations, committed and served as the next step.
+
+        `trajectories`: ART-style Trajectory objects (their messages, sampled turns as assistant messages, and tools)
+        or conversation dicts ``{"messages", "tools"?, "metadata"?}``. `config` (an SFTConfig or its dict) and
+        `options` (its fields, over `config`'s) set epochs, learning_rate, batch_size...; an unknown one is refused.
+        The metrics are ``sft/*`` (backends/training/sft.py) and the publish check's."""
+        base = config.model_dump() if isinstance(config, SFTConfig) else dict(config or {})
+        settings = SFTConfig.model_validate({**base, **options})
+        result = await self._train_sft(model, list(trajectories), settings)
+        if verbose:
+            print(f"SFT step {result.step}: loss {result.metrics.get('sft/loss', float('nan')):.4f}")
+        tracker = self._tracker(model)
+        if tracker is not None:
+            tracker.log_step(result.step, result.metrics)
         return result
 
     async def log(self, model: Model, trajectories: Iterable[Any] | None = None, split: str = "val", *,

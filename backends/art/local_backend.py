@@ -6,7 +6,8 @@ step-0 adapter if the run is new, and resumes the latest committed step otherwis
 that checkpoint and the server hot-loads its adapter as ``<name>@<step>`` (a bare ``<name>`` then
 means that latest step). ``backend.train(model, groups, ...)`` runs one GRPO update and publishes it through
 ``backends.policy`` (store groups, train, checkpoint, publish with probe: the flow's path) and commits
-the step. Each step trains with the model's trainer settings updated by that call's options only, so a resumed
+the step; ``backend.train_sft(model, trajectories, config=...)`` does the same with a supervised step on
+demonstrations (backends/policy/sft.py), resumable from its save points like the flow's SFT. Each step trains with the model's trainer settings updated by that call's options only, so a resumed
 process trains exactly as the one that stopped. ``_experimental_fork_checkpoint`` copies a step of another run
 (storage/fork.py); a registered model that has not trained then loads and serves the forked step at once.
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -36,6 +39,9 @@ from backends.art.run_line import print_registered
 from backends.modeling.devices import resolve_device
 from backends.policy.checkpoints import initialize, load_checkpoint, train_step
 from backends.policy.publish import publish_step
+from backends.policy.sft import sft_metrics, sft_step
+from backends.training.sft_config import SFTConfig
+from backends.training.sft_data import BadLines, demonstrations_of
 from storage.fork import fork_run
 from storage.layout import ADAPTER_DIR, logged_split
 from storage.lease import RunLease
@@ -249,6 +255,22 @@ class LocalBackend(BackendAPI):
             result = await asyncio.to_thread(train_step, state.store, step, state.trainer, groups)
             metrics = merge_step_metrics(summarize(groups, "train"), result["metrics"])
             metrics.update(await self._publish(model, state, step))
+            state.lease.check(fresh=True)
+            state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
+            return TrainResult(step=step, metrics=metrics, checkpoint_path=f"{state.store.step_url(step)}/{ADAPTER_DIR}")
+
+    async def _train_sft(self, model: TrainableModel, conversations: list[Any], config: SFTConfig) -> TrainResult:
+        state = self._ready_state(model)
+        bad = BadLines(config.on_bad_line)
+        demos = demonstrations_of(conversations, bad)
+        # the demonstrations' identity, as the flow's file hash: a resumed SFT step refuses other data
+        content = json.dumps([[d.messages, d.tools] for d in demos], sort_keys=True, default=str).encode()
+        step = (state.store.latest_step() or 0) + 1
+        with state.exclusive(f"SFT step {step}"):
+            state.lease.check()
+            result = await asyncio.to_thread(sft_step, state.store, step, lambda: state.trainer, demos, config,
+                                             data_sha256=hashlib.sha256(content).hexdigest(), bad_lines=bad)
+            metrics = {**sft_metrics(result), **await self._publish(model, state, step)}
             state.lease.check(fresh=True)
             state.store.commit(step, metrics, extra={"policy": model.get_inference_name(step)})
             return TrainResult(step=step, metrics=metrics, checkpoint_path=f"{state.store.step_url(step)}/{ADAPTER_DIR}")

@@ -29,9 +29,9 @@ def training_result(store, step: int) -> dict[str, Any] | None:
 
 
 def save_checkpoint(store, step: int, trainer, metrics: dict[str, float],
-                    probe_prompt_ids: list[int] | None = None) -> dict[str, Any]:
+                    probe_prompt_ids: list[int] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Upload the trainer's checkpoint as step `step`, then training.json (the 'finished' mark) with the probe
-    record continuing `probe_prompt_ids` (None: the rendered probe messages)."""
+    record continuing `probe_prompt_ids` (None: the rendered probe messages) and the `extra` keys."""
     with tempfile.TemporaryDirectory(prefix="trajflow-ckpt-") as tmp:
         trainer.save_checkpoint(tmp)
         hashes = store.upload_folder(step, ADAPTER_DIR, Path(tmp) / ADAPTER_DIR)
@@ -39,7 +39,7 @@ def save_checkpoint(store, step: int, trainer, metrics: dict[str, float],
     started = time.perf_counter()
     record = probe_record(trainer, probe_prompt_ids)
     metrics = {**metrics, "train/probe_record_s": time.perf_counter() - started}
-    result = {"step": step, "metrics": metrics, "adapter": hashes, PROBE_RECORD: record}
+    result = {**(extra or {}), "step": step, "metrics": metrics, "adapter": hashes, PROBE_RECORD: record}
     store.put_json(step, TRAINING_RESULT, result)
     return result
 

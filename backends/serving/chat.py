@@ -33,6 +33,7 @@ from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError
 from backends.modeling.chat_render import ChatRenderError, render_chat, tool_names
 from backends.serving.tool_calls import parse_tool_calls
 
+
 class SamplingFields(BaseModel):
     """Request fields chat and text completions share (extra keys are kept and ignored). Types are strict, as
     OpenAI's are: ``"n": "2"`` or ``"max_tokens": 5.0`` is refused rather than coerced (an int is a valid float)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from backends.policy.staleness import sampling_step
 
 STAGE_VERSIONS: dict[str, int] = {
+    "sft": 1,
     "scenarios": 1,
     "rollouts": 1,
     "scoring": 1,

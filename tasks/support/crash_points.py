@@ -4,7 +4,8 @@ This is how the resume tests kill the flow at exact moments (mid-rollouts, mid-t
 training and the commit) without timing races. Unset (always, in production) it costs one dict
 lookup. Points: ``rollouts-group`` (after the first group of a step is stored), ``training``
 (after the update, before its checkpoint is uploaded), ``before-commit`` (after publish, before
-the step's manifest).
+the step's manifest), ``sft-saved`` (after a save point of the supervised warm start is stored; its number is
+the optimizer steps done, not a step).
 """
 
 from __future__ import annotations

@@ -79,9 +79,13 @@ TABLE_FIRST_KEYS = ("train/reward", "val/reward", "train/loss")
 def format_step_line(step: int, metrics: dict[str, float], policy: str) -> str:
     """The console's line for a committed step: its key metrics, the policy now served and the publish check.
 
-    Step 0 trains nothing (it is the untrained LoRA), so its line says that and what it was checked against.
+    Step 0 is the untrained LoRA, or with ``sft`` the adapter trained on demonstrations (then ``sft/loss`` is in its
+    metrics), so its line says which and what it was checked against.
     """
-    parts = ["the untrained policy"] if step == 0 else []
+    parts = []
+    if step == 0:
+        parts = [f"the SFT'd policy, sft/loss={metrics['sft/loss']:.4f}" if "sft/loss" in metrics
+                 else "the untrained policy"]
     parts += [f"{k}={metrics[k]:.4f}" for k in STEP_LINE_KEYS if k in metrics]
     served = f"served as {policy}"
     if "publish/probe_max_abs_diff" in metrics and "publish/probe_tolerance" in metrics:

@@ -9,6 +9,7 @@ process of its own). Add a row for every bad input found.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from flows.cli import main
 from storage.store import RunStore
 from tasks.run_config import load_config
+from tests.fixtures_sft import ARITHMETIC
 from tests.paths import REPO
 
 TINY = "configs/tiny.yaml"
@@ -105,6 +107,28 @@ CASES = [
      "tracking.wandb.mode: input should be 'online', 'offline' or 'disabled'"),
     ("tracking project with a slash", ["train", "--set", "tracking.trackio.project=a/b"], 2,
      "tracking.trackio.project: string should match pattern"),
+    ("sft data a web URL", ["train", "--set", "sft.data=https://example.com/d.jsonl"], 2,
+     "sft.data: 'https://example.com/d.jsonl' is a web URL, and trajflow fetches no URL a config names"),
+    ("sft data another scheme", ["train", "--set", "sft.data=gs://bucket/d.jsonl"], 2,
+     "sft.data: 'gs://bucket/d.jsonl': scheme 'gs' is not supported"),
+    ("sft without data", ["train", "--set", "sft.epochs=2"], 2, "sft.data: required"),
+    ("sft key misspelt", ["train", "--set", "sft.epoch=2"], 2, "sft.epoch: unknown key; did you mean sft.epochs?"),
+    ("sft epochs zero", ["train", "--set", "sft.data=d.jsonl", "--set", "sft.epochs=0"], 2,
+     "sft.epochs: input should be greater than or equal to 1, got 0"),
+    ("sft on_bad_line unknown", ["train", "--set", "sft.data=d.jsonl", "--set", "sft.on_bad_line=ignore"], 2,
+     "sft.on_bad_line: input should be 'error' or 'skip'"),
+    ("sft data missing", ["train", TINY, "--set", "storage={tmp}/runs4", "--set", "sft.data={tmp}/none.jsonl"], 2,
+     "sft.data: cannot read {tmp}/none.jsonl"),
+    ("sft data empty", ["sft", TINY, "--set", "storage={tmp}/runs4", "--set", "sft.data={tmp}/empty.jsonl"], 2,
+     "{tmp}/empty.jsonl: empty (no conversation); expected one JSON object per line"),
+    ("sft data a bad line", ["train", TINY, "--set", "storage={tmp}/runs4", "--set", "sft.data={tmp}/bad.jsonl"], 2,
+     "{tmp}/bad.jsonl line 2: messages[1].role must be one of system, developer, user, assistant, tool, got 'robot'"),
+    ("sft data not UTF-8", ["sft", TINY, "--set", "storage={tmp}/runs4", "--set", "sft.data={tmp}/binary.jsonl"], 2,
+     "{tmp}/binary.jsonl: not UTF-8 text"),
+    ("sft conversation too long", ["sft", TINY, "--set", "storage={tmp}/runs4", "--set", "sft.data={tmp}/demos.jsonl",
+     "--set", "sft.max_length=20"], 2, "{tmp}/demos.jsonl line 1: 41 tokens, longer than the context (20 tokens"),
+    ("sft of a config without sft", ["sft", TINY, "--set", "storage={tmp}/runs4"], 2,
+     "the config has no sft section"),
     ("fork step not a number", ["fork", "tiny@x", "new", "--project", "ci", "--storage", "{tmp}/runs"], 2,
      "SRC_RUN[@STEP]: the step after '@' must be a number, got 'x'"),
     ("fork source not committed", ["fork", "tiny", "new", "--project", "ci", "--storage", "{tmp}/runs"], 2,
@@ -143,6 +167,11 @@ def inputs(tmp_path):
     (tmp_path / "dotted.yaml").write_text("trainer.lora_rank: 4\n")
     (tmp_path / "heartbeat.yaml").write_text(
         "deployments:\n- {name: fast, work_pool: {name: p, job_variables: {env: {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: '5'}}}}\n")
+    (tmp_path / "demos.jsonl").write_text(json.dumps(ARITHMETIC[0]) + "\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps(ARITHMETIC[0]) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
     stored = load_config(TINY, [f"storage={tmp_path / 'runs'}", "group_size=9"])
     RunStore(stored.storage, stored.project, stored.run).write_run_config(stored.model_dump(mode="json"))
     return tmp_path

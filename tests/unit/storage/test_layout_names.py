@@ -33,10 +33,10 @@ LAYOUT_FILE = "storage/layout.py"
 FILE_NAMES = frozenset({
     "run.json", "lease.json", "manifest.json", "manifest.json.corrupt-", "scenarios.json", "scored.parquet",
     "adapter_config.json", "adapter_model.safetensors",
-    "state.pt", "trainer.json", "metrics.json", "training.json", "eval.parquet", "reward_curve.png",
+    "state.pt", "trainer.json", "metrics.json", "training.json", "progress.json", "eval.parquet", "reward_curve.png",
     "judge-cache", "prefect-results", "recoveries",
 })
-DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations"})
+DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations", "sft-progress"})
 
 # (file, name) -> why the name may be spelled there
 ALLOWED: dict[tuple[str, str], str] = {}

@@ -1,0 +1,81 @@
+"""SFT trains the trainer's own adapter in place: the loss goes down on a few demonstrations, the GRPO state is left
+fresh, and the saved adapter is what the engine then serves.
+
+The tiny model's logits are nearly uniform (weights drawn with std 0.02), too flat for an adapter to move far in a few
+steps, so its tied embedding matrix is scaled x4 first (as in test_trainer_learning.py), saved as a model folder that
+the trainer and the engine both load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.training.config import TrainerConfig
+from backends.training.sft import run_sft
+from backends.training.trainer import GRPOTrainer
+from tests.fixtures_sft import ARITHMETIC, TOOL_CONVERSATION
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def sharp_model_path(tiny_model_path, tmp_path_factory):
+    from backends.modeling.loading import load_model
+
+    model, tok, _ = load_model(str(tiny_model_path))
+    model.get_input_embeddings().weight.data.mul_(4.0)
+    folder = tmp_path_factory.mktemp("tiny-sharp")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_loss_goes_down_and_the_engine_serves_the_sfted_adapter(sharp_model_path, tmp_path):
+    from backends.inference.engine import Engine, EngineConfig, SamplingParams
+    from backends.serving.chat import ChatRequest, render_prompt
+
+    trainer = GRPOTrainer(str(sharp_model_path), TrainerConfig(seed=0))
+    events = []
+    metrics = run_sft(trainer, [TOOL_CONVERSATION, *ARITHMETIC], epochs=6, learning_rate=3e-2, batch_size=2,
+                      on_progress=events.append)
+    losses = metrics["loss_per_epoch"]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+    assert metrics["sft/loss"] == losses[-1] and metrics["sft/loss_epoch_1"] == losses[0]
+    assert metrics["sft/optimizer_steps"] == metrics["sft/steps_run"] == 12  # 6 epochs x ceil(4 / 2)
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1, 2, 3, 4, 5, 6]
+    assert metrics["sft/conversations"] == 4 and metrics["sft/skipped"] == 0
+    assert 0 < metrics["sft/trained_tokens"] < metrics["sft/tokens"]
+    # the GRPO side is untouched: no GRPO step taken, its optimizer has no state yet
+    assert trainer.step == 0 and not trainer.optimizer.state
+
+    # the checkpoint's adapter, loaded by the engine, continues a demonstration's prompt as the trainer does
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    messages, tools = TOOL_CONVERSATION["messages"], TOOL_CONVERSATION["tools"]
+    prompt = render_prompt(trainer.tokenizer, ChatRequest(model="m", messages=messages[:2], tools=tools))
+    tokens, logprobs = trainer.greedy_continuation(prompt, 8)
+    engine = Engine.from_pretrained(str(sharp_model_path), config=EngineConfig(max_batch_size=2, max_loras=1))
+    try:
+        engine.load_adapter("sft", str(tmp_path / "ckpt" / "adapter"))
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        (served,) = engine.generate_sync(prompt, greedy, model="sft", timeout=120)
+        (base,) = engine.generate_sync(prompt, greedy, timeout=120)
+    finally:
+        engine.shutdown()
+    assert served.token_ids == tokens
+    assert served.logprobs == pytest.approx(logprobs, abs=1e-3)
+    assert served.logprobs != pytest.approx(base.logprobs, abs=1e-2)  # not the base model
+
+
+def test_trajectories_and_conversations_train_alike(tiny_model_path):
+    from agents.trajectory import SampledTurn, Trajectory
+
+    messages = ARITHMETIC[0]["messages"]
+    sampled = SampledTurn(message=messages[1], token_ids=[1, 2], logprobs=[-1.0, -1.0])  # its message is what counts
+    traj = Trajectory(messages_and_choices=[messages[0], sampled])
+    results = []
+    for items in ([traj], [ARITHMETIC[0]]):
+        trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(seed=0))
+        run_sft(trainer, items, epochs=1, learning_rate=1e-2)
+        results.append({k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k})
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+    assert any(v.abs().sum() > 0 for v in results[0].values())
