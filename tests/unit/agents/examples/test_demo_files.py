@@ -12,11 +12,11 @@ from agents.registry import get_agent
 from tests.paths import REPO
 
 FILES = {"research": ("configs/demos/research-train.jsonl", 256), "tictactoe": ("configs/demos/tictactoe-train.jsonl", 256)}
+SMALL = ("research", "configs/demos/research-train-16.jsonl", 16)  # configs/research.yaml's, for the CPU
 
 
-@pytest.mark.parametrize("agent", sorted(FILES))
-def test_regenerating_gives_the_committed_bytes(agent):
-    path, count = FILES[agent]
+@pytest.mark.parametrize("agent, path, count", [(a, *FILES[a]) for a in sorted(FILES)] + [SMALL])
+def test_regenerating_gives_the_committed_bytes(agent, path, count):
     committed = (REPO / path).read_bytes()
     assert len(committed) < 1_000_000
     assert to_jsonl(demonstrations(agent, count=count, seed=0)).encode() == committed, (
@@ -24,7 +24,7 @@ def test_regenerating_gives_the_committed_bytes(agent):
 
 
 @pytest.mark.parametrize("agent", sorted(FILES))
-def test_no_demonstration_holds_a_val_or_test_problem(agent):
+def test_no_demonstration_holds_a_val_or_test_problem(agent):  # the small file is a prefix of the research one
     lines = [json.loads(x) for x in (REPO / FILES[agent][0]).read_text().splitlines()]
     a = get_agent(agent)
     held_out = [s for split in ("val", "test") for s in a.scenarios(split, 0)]
@@ -42,3 +42,11 @@ def test_no_demonstration_holds_a_val_or_test_problem(agent):
         train = {s.id: s for s in a.scenarios("train", 0)}
         seeds = {train[line["metadata"]["scenario_id"]].payload["seed"] for line in lines}
         assert len(seeds) == len(lines) and not seeds & {s.payload["seed"] for s in held_out}
+
+
+def test_the_research_config_trains_on_the_small_file():
+    from tasks.run_config import load_config
+
+    config = load_config("configs/research.yaml")
+    assert (config.agent, config.sft.data) == ("research", SMALL[1])
+    assert (REPO / "configs/demos/research-train.jsonl").read_text().startswith((REPO / SMALL[1]).read_text())
