@@ -6,11 +6,19 @@ import math
 
 from agents.trajectory import TrajectoryGroup
 
+# name -> (numerator, denominator): per-trajectory counts whose ratio of sums is the metric. A mean of per-episode
+# ratios would weigh an episode of one call like one of ten; these weigh every call (every reply) the same.
+RATIOS: dict[str, tuple[str, str]] = {
+    "tool_call_validity": ("valid_tool_calls", "tool_calls"),  # research: well-formed calls / calls attempted
+    "illegal_move_rate": ("illegal", "turns"),  # tic-tac-toe: illegal replies / replies
+}
+
 
 def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str, float]:
     """``<prefix>/reward`` (mean over healthy trajectories), ``reward_std`` (population std),
-    ``trajectories``, ``failed`` (recorded exceptions + trajectories with an error) and the mean of every
-    finite numeric per-trajectory metric."""
+    ``trajectories``, ``failed`` (recorded exceptions + trajectories with an error), the mean of every
+    finite numeric per-trajectory metric, and each of :data:`RATIOS` whose two counts the trajectories
+    carry: sum(numerator) / sum(denominator), left out while the denominator sums to 0."""
     rewards = [t.reward for g in groups for t in g.trajectories if not t.error]
     n = len(rewards)
     mean = sum(rewards) / n if n else 0.0
@@ -32,6 +40,9 @@ def summarize(groups: list[TrajectoryGroup], prefix: str = "train") -> dict[str,
                     values.setdefault(k, []).append(float(v))
     for k, vs in values.items():
         out[f"{prefix}/{k}"] = sum(vs) / len(vs)
+    for name, (num, den) in RATIOS.items():
+        if num in values and den in values and len(values[num]) == len(values[den]) and sum(values[den]) > 0:
+            out[f"{prefix}/{name}"] = sum(values[num]) / sum(values[den])
     return out
 
 

@@ -79,3 +79,18 @@ def deploy_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--silent-after-s", type=float, default=None, metavar="S",
                         help="mark a run Crashed after S s without a heartbeat (default: 3 heartbeat intervals)")
     return parser
+
+
+def demos_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """AGENT, --split, --count, --seed, --out of `trajflow demos` (flows/demos.py)."""
+    parser.description = ("Play the agent's train scenarios with its scripted expert and write the conversations as "
+                          "OpenAI chat-format JSONL (messages, tools, metadata) for SFT, each checked with the "
+                          "agent's own reward.")
+    parser.add_argument("agent", metavar="AGENT", help="research or tictactoe")
+    parser.add_argument("--split", default="train",
+                        help="only train is accepted: val and test stay unseen by training")
+    parser.add_argument("--count", type=int, default=None,
+                        help="conversations to write (default: the whole train split)")
+    parser.add_argument("--seed", type=int, default=0, help="orders the train scenarios and breaks the expert's ties")
+    parser.add_argument("--out", required=True, help="the JSONL file to write (its folder must exist)")
+    return parser

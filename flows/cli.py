@@ -1,5 +1,6 @@
-"""The `trajflow` command: `train` and `eval` run the flows, `sft` a config's supervised warm start, `deploy` sets up a Prefect server, `config show` prints
-a config; other areas add their own.
+"""The `trajflow` command: `train` and `eval` run the flows, `sft` a config's supervised warm start, `deploy` sets up a
+Prefect server, `config show` prints a config, `demos` writes an example agent's expert demonstrations; other areas add
+their own.
 
 Building the parser stays light (argparse only): a flow, and everything it imports, loads when its command runs.
 `python -m flows.train` and `python -m flows.evaluate` take the same arguments (flows/arguments.py).
@@ -11,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from flows.arguments import config_show_parser, deploy_parser, eval_parser, sft_parser, train_parser
+from flows.arguments import config_show_parser, demos_parser, deploy_parser, eval_parser, sft_parser, train_parser
 
 # module -> what it adds: backends (serve, backend serve), storage (runs, fork)
 _COMMAND_MODULES = ("backends.serving.cli", "backends.art.cli", "storage.cli", "storage.fork_cli")
@@ -47,6 +48,12 @@ def _run_config_show(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _run_demos(args: argparse.Namespace) -> int:
+    from flows.demos import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trajflow",
                                      description="Train LLM agents with GRPO in durable Prefect flows.")
@@ -62,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     config_show_parser(config_sub.add_parser("show", help="print the effective config as commented YAML")
                        ).set_defaults(func=_run_config_show)
+    demos_parser(sub.add_parser("demos", help="write a scripted expert's demonstrations (train split) as chat JSONL "
+                                "for SFT")).set_defaults(func=_run_demos)
     for name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

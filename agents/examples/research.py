@@ -27,6 +27,12 @@ every city does not). Tool timeouts and tool exceptions are the environment's fa
 (``tool_timeouts``, ``tool_errors``), not penalised. :meth:`ResearchAgent.reward` recomputes all of this
 from the stored conversation, without running any tool.
 
+Metrics, besides the reward's parts: ``tool_calls`` counts every call the model wrote up to the answer, malformed
+ones included, ``valid_tool_calls`` the well-formed ones (a known tool, arguments a JSON object that fits its
+schema; a timed-out or failing tool was still a valid call). Over many episodes the tool-call validity is
+sum(valid_tool_calls) / sum(tool_calls) (``tool_call_validity`` in :func:`agents.group_metrics.summarize`); a turn
+without any call is no call at all and counts in ``no_tool_call`` instead.
+
 Baseline: SmolLM2-135M-Instruct never calls a tool here (16 val questions, greedy and sampled, ``max_turns=3``:
 every turn is prose, reward -0.3 each; ``benchmarks/results/agent_baselines.md``), so it gets no learning
 signal from this agent. It exercises the tool path end to end and is meant for tool-calling models
@@ -73,14 +79,17 @@ def normalise(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def holds_phrase(text: str, phrase: str) -> bool:
+    """The words of ``phrase`` appear contiguously among the words of ``text`` (see :func:`normalise`)."""
+    g, a = normalise(phrase), normalise(text)
+    return bool(g) and any(a[i:i + len(g)] == g for i in range(len(a) - len(g) + 1))
+
+
 def answer_correct(given: str | None, gold: str) -> bool:
     """Gold's words appear contiguously in the given answer, which has at most len(gold) + 8 words."""
     if not isinstance(given, str):
         return False
-    g, a = normalise(gold), normalise(given)
-    if not g or len(a) > len(g) + 8:
-        return False
-    return any(a[i:i + len(g)] == g for i in range(len(a) - len(g) + 1))
+    return len(normalise(given)) <= len(normalise(gold)) + 8 and holds_phrase(given, gold)
 
 
 class ResearchConfig(BaseModel):
@@ -117,11 +126,16 @@ class Episode:
     searches: int = 0
     turns: int = 0
     no_tool_call: int = 0
+    tool_calls: int = 0
     errors: Counter = field(default_factory=Counter)
 
     @property
+    def malformed_calls(self) -> int:
+        return sum(self.errors[k] for k in MODEL_ERROR_KINDS)
+
+    @property
     def format_errors(self) -> int:
-        return self.no_tool_call + sum(self.errors[k] for k in MODEL_ERROR_KINDS)
+        return self.no_tool_call + self.malformed_calls
 
 
 class ResearchAgent(ConfiguredAgent):
@@ -174,6 +188,7 @@ class ResearchAgent(ConfiguredAgent):
     @staticmethod
     def _note(ep: Episode, call: ToolCall) -> bool:
         """Record one parsed call in the episode; True when it is the final answer."""
+        ep.tool_calls += 1
         if not call.ok:
             ep.errors[call.error_kind] += 1
             return False
@@ -253,7 +268,8 @@ class ResearchAgent(ConfiguredAgent):
         traj.metrics.update(
             correct=int(correct), answered=int(ep.answered), found_doc=int(scenario.payload["doc_id"] in ep.read_docs),
             cited_doc=int(ep.answer_doc == scenario.payload["doc_id"]), turns=ep.turns, searches=ep.searches,
-            reads=len(ep.read_docs), format_errors=ep.format_errors, no_tool_call=ep.no_tool_call,
+            reads=len(ep.read_docs), tool_calls=ep.tool_calls, valid_tool_calls=ep.tool_calls - ep.malformed_calls,
+            format_errors=ep.format_errors, no_tool_call=ep.no_tool_call,
             bad_json=ep.errors["bad_json"], unknown_tool=ep.errors["unknown_tool"],
             bad_arguments=ep.errors["bad_arguments"], tool_timeouts=timeouts, tool_errors=tool_errors,
             context_exhausted=context_exhausted)

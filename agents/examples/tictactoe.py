@@ -17,7 +17,10 @@ Reward (defaults, all configurable)::
     win 1.0   draw 0.5   loss 0.0   illegal -1.0
 
 "illegal" ends the game at once: a reply without a parseable ``<move>`` (metric ``unparseable``), or a
-move onto an occupied cell (metric ``illegal_move``; both count in ``illegal``).
+move onto an occupied cell (metric ``illegal_move``; both count in ``illegal``). Per game the metrics are
+``won``/``drawn``/``lost``/``illegal`` (one of them 1; an unfinished game has none) and ``turns`` (replies); over many
+games the illegal-move rate is sum(illegal) / sum(turns), illegal replies per reply (``illegal_move_rate`` in
+:func:`agents.group_metrics.summarize`), beside the mean of ``illegal``, the share of games lost that way.
 
 Baseline (SmolLM2-135M-Instruct, 64 val games, embedded server; ``benchmarks/results/agent_baselines.md``):
 greedy mean reward -0.94 (1.6% won, 3% lost, 95% illegal: it repeats the example's C3), sampled at

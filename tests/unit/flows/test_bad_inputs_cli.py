@@ -138,6 +138,23 @@ CASES = [
      "invalid run name 'a/b'"),
     ("fork into itself", ["fork", "tiny@1", "tiny", "--project", "ci", "--storage", "{tmp}/runs"], 2,
      "cannot fork run ci/tiny into itself"),
+    ("demos agent without an expert", ["demos", "arithmetic", "--out", "{tmp}/d.jsonl"], 2,
+     "no scripted expert for agent 'arithmetic': demonstrations exist for research, tictactoe"),
+    ("demos unknown agent", ["demos", "chess", "--out", "{tmp}/d.jsonl"], 2, "no scripted expert for agent 'chess'"),
+    ("demos of val", ["demos", "research", "--split", "val", "--out", "{tmp}/d.jsonl"], 2,
+     "split 'val': demonstrations come from the train split only (val and test must stay unseen by training)"),
+    ("demos of test", ["demos", "tictactoe", "--split", "test", "--out", "{tmp}/d.jsonl"], 2,
+     "split 'test': demonstrations come from the train split only"),
+    ("demos count zero", ["demos", "research", "--count", "0", "--out", "{tmp}/d.jsonl"], 2,
+     "count must be at least 1, got 0"),
+    ("demos count negative", ["demos", "tictactoe", "--count", "-3", "--out", "{tmp}/d.jsonl"], 2,
+     "count must be at least 1, got -3"),
+    ("demos count beyond the split", ["demos", "tictactoe", "--count", "999", "--out", "{tmp}/d.jsonl"], 2,
+     "count 999 is more than the 256 train scenarios of 'tictactoe'"),
+    ("demos out in a missing folder", ["demos", "research", "--out", "{tmp}/missing/d.jsonl"], 2,
+     "--out {tmp}/missing/d.jsonl: folder {tmp}/missing does not exist"),
+    ("demos out is a folder", ["demos", "research", "--out", "{tmp}"], 2,
+     "--out {tmp} is a folder; name the JSONL file to write"),
 ]
 
 

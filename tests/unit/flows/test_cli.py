@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -35,3 +36,15 @@ def test_python_dash_m_entry_points_take_the_same_arguments():
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"usage: python -m {module} [-h] [--set KEY=VALUE]")
         assert (extra in out.stdout) if extra else ("--policy" not in out.stdout)
+
+
+def test_demos_writes_checked_train_demonstrations(tmp_path, capsys):
+    from flows.cli import main
+
+    out = tmp_path / "ttt.jsonl"
+    assert main(["demos", "tictactoe", "--count", "3", "--seed", "1", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["metadata"]["split"] for x in lines] == ["train"] * 3 and {x["metadata"]["seed"] for x in lines} == {1}
+    assert capsys.readouterr().out.startswith(f"wrote 3 tictactoe demonstrations (train split, seed 1) to {out}")
+    assert main(["demos", "research", "--count", "5", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 5  # written again, whole

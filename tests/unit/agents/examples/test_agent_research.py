@@ -136,7 +136,7 @@ async def test_rollout_search_read_answer_over_http(agent, scenario, scripted_se
     assert traj.reward == 1.0 == agent.reward(scenario, traj)
     m = traj.metrics
     assert (m["correct"], m["found_doc"], m["cited_doc"], m["turns"], m["searches"], m["reads"]) == (1, 1, 1, 3, 1, 1)
-    assert m["format_errors"] == 0 and m["tool_timeouts"] == 0
+    assert m["format_errors"] == 0 and m["tool_timeouts"] == 0 and (m["tool_calls"], m["valid_tool_calls"]) == (3, 3)
     first, second, third = scripted_server.requests
     assert first["tools"] == TOOL_SCHEMAS and first["temperature"] == 1.0 and first["max_tokens"] == 96
     search_result = json.loads(second["messages"][-1]["content"])
@@ -157,6 +157,7 @@ async def test_rollout_malformed_calls_are_penalised_not_raised(agent, scenario,
     traj = await agent.rollout(scripted_client, "agent@2", scenario)
     m = traj.metrics
     assert (m["unknown_tool"], m["bad_json"], m["bad_arguments"], m["no_tool_call"]) == (1, 1, 1, 1)
+    assert (m["tool_calls"], m["valid_tool_calls"]) == (4, 1)  # the prose turn is no call; the answer is valid
     assert m["correct"] == 1 and round(traj.reward, 6) == 0.6 == round(agent.reward(scenario, traj), 6)
     reqs = scripted_server.requests
     assert reqs[1]["messages"][-1]["content"].startswith("Error: unknown tool 'browse'")
@@ -202,6 +203,7 @@ async def test_hanging_and_failing_tools_are_recorded_outcomes(scenario, scripte
     traj = await agent.rollout(scripted_client, "agent@2", scenario)
     assert traj.metrics["tool_timeouts"] == 1 and traj.metrics["tool_errors"] == 1
     assert traj.metrics["format_errors"] == 0 and traj.error is None
+    assert traj.metrics["valid_tool_calls"] == traj.metrics["tool_calls"] == 3  # the tools' faults, not the model's
     assert traj.reward == 0.25 == agent.reward(scenario, traj)  # asked for the right document: partial credit
     reqs = scripted_server.requests
     assert reqs[1]["messages"][-1]["content"] == "Error: ConnectionError: search backend down"
