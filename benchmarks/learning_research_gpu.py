@@ -24,9 +24,9 @@ and ``<out>.png`` (val reward per step for each seed, base and SFT marked).
     python benchmarks/learning_research_gpu.py --device cuda --gguf /tmp/smol/x.gguf --parallel --seeds 0 1 2 \\
         --steps 20 --group-size 8 --groups-per-step 16 --eval-every 5 --eval-samples 4 --val-size 64 \\
         --sft-epochs 2 --sft-lr 2e-4 --lr 1e-4 --time-budget-s 360 --out benchmarks/results/learning_research_h200
-    python benchmarks/learning_research_gpu.py --model tiny-random --steps 1 --seeds 0 --group-size 2 \\
-        --groups-per-step 1 --eval-samples 1 --val-size 2 --sft-count 4 --sft-epochs 1 \\
-        --agent-option max_turns=2 --agent-option max_tokens=16 --out /tmp/research_smoke  # CPU smoke
+
+The CPU smoke run is ``tests/unit/benchmarks/test_learning_research_smoke.py`` (tiny-random, one GRPO step; its
+1,024-token context needs the demonstrations shortened).
 """
 
 from __future__ import annotations
