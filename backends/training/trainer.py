@@ -143,7 +143,8 @@ class GRPOTrainer:
             if model is None:
                 from backends.modeling.loading import load_model
 
-                model, tokenizer, _ = load_model(base_model, device=device, dtype=self.dtype)
+                # the base weights an engine of this process holds, if any: peft leaves them untouched
+                model, tokenizer, _ = load_model(base_model, device=device, dtype=self.dtype, shared=True)
             elif tokenizer is None:
                 raise ValueError("pass the tokenizer together with the model")
             if not isinstance(model, PeftModel):
