@@ -126,15 +126,24 @@ def attribute(samples, began: float | None, events: list[tuple[float, str]]) -> 
     return labels
 
 
+STAGE_ORDER = ("startup", "setup+publish", "evaluate", "sample-scenarios", "rollouts", "score", "train", "publish",
+               "shutdown")
+
+
 def per_stage(samples, labels) -> dict[str, dict]:
-    """{stage: {peak_rss_gib, at_step}} (the step whose instance of the stage peaked highest)."""
+    """{stage: {peak_rss_gib, at_step, seconds}}: the peak over every step's instance of the stage, the step where it
+    was reached, and the time spent in the stage over the run."""
     out: dict[str, dict] = {}
-    for (t, total, *_), label in zip(samples, labels):
+    for i, ((t, total, *_), label) in enumerate(zip(samples, labels)):
         stage, _, step = label.partition("@")
         gib = total / GIB
-        if stage not in out or gib > out[stage]["peak_rss_gib"]:
-            out[stage] = {"peak_rss_gib": round(gib, 3), "at_step": int(step) if step else None}
-    return out
+        entry = out.setdefault(stage, {"peak_rss_gib": -1.0, "at_step": None, "seconds": 0.0})
+        if gib > entry["peak_rss_gib"]:
+            entry.update(peak_rss_gib=round(gib, 3), at_step=int(step) if step else None)
+        if i:
+            entry["seconds"] += t - samples[i - 1][0]
+    order = {name: k for k, name in enumerate(STAGE_ORDER)}
+    return {k: {**v, "seconds": round(v["seconds"], 1)} for k, v in sorted(out.items(), key=lambda kv: order.get(kv[0], 99))}
 
 
 def read_rewards(storage: Path, project: str, run: str) -> dict:
@@ -162,6 +171,7 @@ def run_job(args) -> dict:
         for item in args.env:
             key, _, value = item.partition("=")
             env[key] = value
+        load_before = os.getloadavg()
         started = time.time()
         proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         sampler = TreeSampler(proc.pid, args.interval).start()
@@ -189,7 +199,8 @@ def run_job(args) -> dict:
         "wall_s": round(wall, 1),
         "samples": len(sampler.samples),
         "interval_s": args.interval,
-        "command": " ".join(cmd),
+        "load_average_before": load_before,
+        "command": " ".join(cmd).replace(str(storage), "<tmp>/runs"),
         "env": args.env,
         "code": str(code),
         "git": _git(code),
@@ -225,6 +236,7 @@ def summary(doc: dict) -> dict:
         return {"peak_rss_gib": r["peak_rss_gib"], "peak_stage": r["peak_stage"],
                 "largest_process_peak_rss_gib": r["largest_process_peak_rss_gib"],
                 "per_stage_peak_rss_gib": {k: v["peak_rss_gib"] for k, v in r["per_stage"].items()},
+                "per_stage_seconds": {k: v.get("seconds") for k, v in r["per_stage"].items()},
                 "wall_s": r["wall_s"], "val_reward_first": val.get(min(val)) if val else None,
                 "val_reward_last": val.get(max(val)) if val else None, "steps": max(steps)}
 
@@ -251,11 +263,12 @@ def write_markdown(doc: dict, path: Path) -> None:
             ("wall time", lambda r, b: f"{b['wall_s']:.0f} s"),
             ("val reward first -> last step", lambda r, b: f"{b['val_reward_first']:.3f} -> {b['val_reward_last']:.3f}"
              if b["val_reward_first"] is not None else "-"),
-            ("code", lambda r, b: f"`{r.get('git')}`")]
-    stages = sorted({k for _, r, b in present for k in b["per_stage_peak_rss_gib"]})
+            ("code", lambda r, b: r.get("note") or f"`{r.get('git')}`")]
+    stages = [k for k in STAGE_ORDER if any(k in b["per_stage_peak_rss_gib"] for _, _, b in present)]
     for stage in stages:
-        rows.append((f"peak in `{stage}` (GiB)",
-                     lambda r, b, stage=stage: f"{b['per_stage_peak_rss_gib'][stage]:.2f}"
+        rows.append((f"`{stage}`: peak GiB (seconds in it)",
+                     lambda r, b, stage=stage: f"{b['per_stage_peak_rss_gib'][stage]:.2f} "
+                     f"({b['per_stage_seconds'].get(stage) if b['per_stage_seconds'].get(stage) is not None else '?'} s)"
                      if stage in b["per_stage_peak_rss_gib"] else "-"))
     for name, fmt in rows:
         lines.append(f"| {name} | " + " | ".join(fmt(r, b) for _, r, b in present) + " |")
@@ -274,6 +287,7 @@ def main() -> int:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the job")
     parser.add_argument("--code", default=str(REPO), help="the checkout whose code runs (default: this one)")
     parser.add_argument("--label", choices=("after", "before"), default="after")
+    parser.add_argument("--note", default=None, help="what the code is, stored with the run (e.g. 'main at 6dd7167')")
     parser.add_argument("--interval", type=float, default=0.1)
     parser.add_argument("--keep-every", type=int, default=10, help="keep every Nth sample in the stored series")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/memory-cpu"), help="path without suffix")
@@ -284,6 +298,7 @@ def main() -> int:
     doc.pop("summary", None)
     run = run_job(args)
     run["environment"] = environment()
+    run["note"] = args.note
     doc[args.label] = run
     doc = {"summary": summary(doc), **doc}
     out.parent.mkdir(parents=True, exist_ok=True)
