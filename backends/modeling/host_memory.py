@@ -5,9 +5,9 @@ activation tensors of a few MB each (SmolLM2-135M, 486 tokens: ~1.2 MB of saved 
 transients); glibc keeps what is freed in its heaps, and measured here it did not reuse it for the next micro-batch
 of the same shapes: resident memory grew by ~0.6 GB per micro-batch (0.46 -> 5.3 GB over 8 micro-batches of 486
 tokens) and stayed there for the rest of the run. ``malloc_trim(0)`` returns every free page of every heap
-(glibc >= 2.8), so resident memory follows what is live: with it after each micro-batch the same 8 stayed at
-1.5-1.7 GB. The price is that the next micro-batch takes its pages fresh from the kernel again (zeroed on first
-touch), small beside the micro-batch's compute.
+(glibc >= 2.8), so resident memory follows what is live: with it before each micro-batch, 12 such micro-batches
+stayed at 2.0-2.2 GB (benchmarks/results/memory-cpu.md). The price is that the next micro-batch takes its pages
+fresh from the kernel again (zeroed on first touch), small beside the micro-batch's compute.
 
 Elsewhere (macOS, musl) there is no ``malloc_trim`` and nothing happens.
 """
