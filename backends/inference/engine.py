@@ -163,6 +163,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, name: str, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        self.model = model  # the weights it serves; held so that a trainer loaded later can share them
         info = describe(model)
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -207,7 +208,7 @@ class Engine:
         """Load `model` ("tiny-random", "smollm2-135m" or a local folder) and serve it as `served_name` or its id."""
         from backends.modeling.loading import load_model
 
-        hf_model, tok, spec = load_model(model, device=device, dtype=dtype)
+        hf_model, tok, spec = load_model(model, device=device, dtype=dtype, shared=True)  # a trainer here shares them
         return cls(hf_model, tok, served_name or spec.name, config)
 
     # -- public API -------------------------------------------------------------------------------------------------

@@ -245,15 +245,31 @@ def default_dtype(device: str):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_model(name_or_path: str, device: str = "cpu", dtype=None):
-    """Load (model, tokenizer, spec) ready for inference or training on `device`."""
+def load_model(name_or_path: str, device: str = "cpu", dtype=None, shared: bool = False):
+    """Load (model, tokenizer, spec) ready for inference or training on `device`.
+
+    ``shared``: the weights are those this process already holds for the same folder, device and dtype, if any
+    (``backends.modeling.shared_weights``: the engine and the trainer keep one copy); the caller must not write them.
+    """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = resolve_model(name_or_path)
     tok = AutoTokenizer.from_pretrained(spec.path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype or default_dtype(device))
-    model.to(device)
+    dtype = dtype or default_dtype(device)
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+        model.to(device)
+        return model
+
+    if shared:
+        from backends.modeling.shared_weights import shared_model
+
+        model = shared_model((str(spec.path.resolve()), str(torch.device(device)), str(dtype)), load)
+    else:
+        model = load()
     model.eval()
     return model, tok, spec

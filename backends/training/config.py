@@ -19,6 +19,9 @@ DEFAULT_EPSILONS: dict[str, tuple[float, float]] = {
     "gspo": (3e-4, 4e-4),
 }
 
+# micro_batch_tokens when unset, per device (see the field).
+DEFAULT_MICRO_BATCH_TOKENS: dict[str, int] = {"cuda": 8192, "cpu": 512}
+
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -150,11 +153,13 @@ class TrainerConfig(BaseModel):
         description="Rows over max_row_tokens: 'drop' (ART; the reward may depend on the lost tail) or "
         "'truncate' (keep the first max_row_tokens; tokens after the cut get no gradient).",
     )
-    micro_batch_tokens: int = Field(
-        default=8192, ge=2,
+    micro_batch_tokens: int | None = Field(
+        default=None, ge=2,
         description="Token budget of one forward/backward. Rows are packed without padding up to this many "
         "tokens (a longer row goes alone); gradients accumulate over all micro-batches into ONE optimizer "
-        "step. Bigger is faster until memory runs out.",
+        "step. Bigger is faster until memory runs out. None: 8192 on CUDA, 512 on the CPU, where the "
+        "activations share host memory with everything else (SmolLM2-135M in float32 saves ~1.2 MB per token: "
+        "8192 tokens would take ~10 GB; benchmarks/results/memory-cpu.md).",
     )
     gradient_checkpointing: bool = Field(
         default=False,
@@ -264,6 +269,12 @@ class TrainerConfig(BaseModel):
         """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA."""
         mode = getattr(self, switch)
         return mode == "on" or (mode == "auto" and on_cuda)
+
+    def micro_batch_budget(self, on_cuda: bool) -> int:
+        """``micro_batch_tokens``, or its default for the device when it is None."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return DEFAULT_MICRO_BATCH_TOKENS["cuda" if on_cuda else "cpu"]
 
     def clip_range(self) -> tuple[float, float]:
         """(epsilon, epsilon_high) with the per-loss defaults filled in."""

@@ -6,7 +6,8 @@ One ``train_step(groups)`` call is exactly one optimizer step:
    left out; no trainable row at all -> metrics with ``no_trainable_rows=1`` and NO step;
 2. aggregation weights fixed for the whole step (``losses.assign_aggregation_weights``), so the
    micro-batch gradients add up to the full-batch gradient;
-3. rows packed without padding into micro-batches of ``micro_batch_tokens`` (``packing``);
+3. rows packed without padding into micro-batches of ``micro_batch_tokens`` (``packing``; 512 on the CPU by default,
+   where each micro-batch's freed activations go back to the OS before the next: ``backends.modeling.host_memory``);
 4. optional KL shaping: a no-grad pass with the adapter on and one with it off (peft's
    ``disable_adapter()``: the base model is the reference, no second copy in memory);
 5. per micro-batch: decoder hidden states, chunked logprobs of the trained tokens only, the loss,
@@ -18,7 +19,8 @@ packs only this rank's share, and the LoRA gradients and the step's sums are sum
 so every rank takes the one-process step.
 
 The model is transformers + peft LoRA (or Unsloth's loader on CUDA, same loss). LoRA weights and
-the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU.
+the optimizer state are float32; the base model is bf16 on CUDA (under autocast) and fp32 on CPU, its weights
+shared with an engine of the same process (``backends.modeling.shared_weights``).
 On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
 ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``).
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 from agents.trajectory import TrajectoryGroup
+from backends.modeling.host_memory import release_freed_memory
 from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
@@ -143,7 +146,8 @@ class GRPOTrainer:
             if model is None:
                 from backends.modeling.loading import load_model
 
-                model, tokenizer, _ = load_model(base_model, device=device, dtype=self.dtype)
+                # the base weights an engine of this process holds, if any: peft leaves them untouched
+                model, tokenizer, _ = load_model(base_model, device=device, dtype=self.dtype, shared=True)
             elif tokenizer is None:
                 raise ValueError("pass the tokenizer together with the model")
             if not isinstance(model, PeftModel):
@@ -239,9 +243,16 @@ class GRPOTrainer:
             out = decoder(**kwargs)
         return out[0][0]
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of a micro-batch: ``TrainerConfig.micro_batch_tokens`` or its default for this device."""
+        return self.config.micro_batch_budget(self.device.type == "cuda")
+
     def _token_logprobs(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp, entropy) of the micro-batch's trained tokens under the current model, the logits divided by
         `temperature` (None: the sampler's, ``TrainerConfig.temperature``)."""
+        if self.device.type == "cpu":  # the previous micro-batch's activations, freed, go back to the OS first
+            release_freed_memory()
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
         temperature = self.config.temperature if temperature is None else temperature
@@ -256,7 +267,7 @@ class GRPOTrainer:
 
     def _micro_batches(self, rows: Sequence[TrainingRow], budget: int | None = None) -> list[MicroBatch]:
         self._check_vocabulary(rows)
-        bins = plan_bins([len(r) for r in rows], budget or self.config.micro_batch_tokens, pack=self.packed)
+        bins = plan_bins([len(r) for r in rows], budget or self.micro_batch_tokens, pack=self.packed)
         return [make_micro_batch([rows[i] for i in b], self.device) for b in bins]
 
     def _shape_advantages(self, batches: list[MicroBatch]) -> float:
@@ -304,7 +315,11 @@ class GRPOTrainer:
         # On cuda:K, K > 0 (inference on another GPU of the machine), compiled kernels and streams follow the current
         # device, which is cuda:0 in a thread that never chose one.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            return self._train_step(groups)
+            try:
+                return self._train_step(groups)
+            finally:
+                if self.device.type == "cpu":  # the step's activations, freed, go back to the OS for the next stages
+                    release_freed_memory()
 
     def _train_step(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         cfg = self.config
@@ -389,7 +404,7 @@ class GRPOTrainer:
         then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw).
         """
         start = time.perf_counter()
-        budget = self.config.micro_batch_tokens
+        budget = self.micro_batch_tokens
         was_training = self.model.training
         self.model.train()
         for k in range(micro_batches):

@@ -41,7 +41,7 @@ def load_with_unsloth(model_path: str, config: TrainerConfig, dtype):
 
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=str(model_path),
-        max_seq_length=max(config.max_row_tokens, config.micro_batch_tokens),
+        max_seq_length=max(config.max_row_tokens, config.micro_batch_budget(on_cuda=True)),
         dtype=dtype,
         load_in_4bit=False,
     )

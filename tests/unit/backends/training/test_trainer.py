@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agents.trajectory import Trajectory, TrajectoryGroup
+from backends.modeling.host_memory import release_freed_memory
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer, lr_factor
 from tests.fixtures_trainer import (
@@ -76,6 +77,27 @@ def test_packed_micro_batches_and_checkpointing_give_the_same_step(tiny_model_pa
             assert m[key] == pytest.approx(ref_m[key], rel=1e-4, abs=1e-7), (name, key)
         assert_same_gradients(g, ref_g, name)
         assert_same_adam_updates(w, ref_w, 1e-3, 1, name)
+
+
+def test_cpu_default_micro_batches_are_small_and_give_the_same_step(tiny_model_path):
+    """On the CPU an unset micro_batch_tokens packs at most 512 tokens per forward (activations live in host memory),
+    the freed ones handed back to the OS between micro-batches; the update is the one-micro-batch update."""
+    assert TrainerConfig().micro_batch_budget(on_cuda=False) == 512
+    assert TrainerConfig().micro_batch_budget(on_cuda=True) == 8192
+    assert TrainerConfig(micro_batch_tokens=100).micro_batch_budget(on_cuda=False) == 100
+    assert release_freed_memory()  # glibc's malloc_trim is found here (Linux): the CPU trainer really trims
+    prompt = tuple(range(5, 205))  # three rows of ~205 tokens: two micro-batches under 512, one under 8192
+    groups = [synthetic_group([0.0, 1.0, 0.25], prompt=prompt, completion_len=4)]
+    results = {}
+    for name, cfg in {"default": {}, "one_micro_batch": dict(micro_batch_tokens=8192)}.items():
+        trainer = _trainer(tiny_model_path, learning_rate=1e-3, **cfg)
+        grads = record_gradients(trainer)
+        results[name] = (trainer.train_step(groups), _lora_state(trainer), grads)
+    (m, w, g), (ref_m, ref_w, ref_g) = results["default"], results["one_micro_batch"]
+    assert (m["micro_batches"], ref_m["micro_batches"]) == (2, 1)
+    assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5)
+    assert_same_gradients(g, ref_g, "cpu default")
+    assert_same_adam_updates(w, ref_w, 1e-3, 1, "cpu default")
 
 
 def test_memory_efficient_ops_match_autograd():

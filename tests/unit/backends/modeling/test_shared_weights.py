@@ -1,0 +1,75 @@
+"""One copy of the base weights per process: the engine and the trainer share them (backends/modeling/shared_weights)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from backends.inference.engine import Engine, EngineConfig, SamplingParams
+from backends.modeling.loading import load_model, resolve_model
+from backends.modeling.shared_weights import _SOURCES
+from backends.training.config import TrainerConfig
+from backends.training.trainer import GRPOTrainer
+from tests.fixtures_trainer import synthetic_group
+
+
+def _base_weights(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    """The trainer's frozen base tensors by their name in the plain model (peft's `base_layer.` taken out)."""
+    return {name.replace("base_layer.", ""): p for name, p in trainer.model.get_base_model().named_parameters()
+            if "lora_" not in name}
+
+
+def _greedy(engine: Engine, prompt: list[int]):
+    (done,) = engine.generate_sync(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), timeout=60)
+    return done.token_ids, done.logprobs
+
+
+@pytest.mark.parametrize("first", ["engine", "trainer"])  # LocalBackend starts the engine first, the flow the trainer
+def test_engine_and_trainer_share_base_weights_and_training_leaves_them_alone(tiny_model_path, first):
+    config = TrainerConfig(learning_rate=1e-2, lora_rank=4, lora_alpha=8)
+    if first == "trainer":
+        trainer = GRPOTrainer("tiny-random", config)
+    engine = Engine.from_pretrained("tiny-random", config=EngineConfig(max_batch_size=2, max_loras=1))
+    try:
+        if first == "engine":
+            trainer = GRPOTrainer("tiny-random", config)
+        served, trained = dict(engine.model.named_parameters()), _base_weights(trainer)
+        assert set(served) == set(trained)
+        assert all(served[n].data_ptr() == trained[n].data_ptr() for n in served), "a second copy of the weights"
+        assert engine.runner.embed.data_ptr() == trained["model.embed_tokens.weight"].data_ptr()
+        assert trainer._lm.config is not engine.model.config  # the trainer's attention setting is its own
+        before = {n: p.detach().clone() for n, p in served.items()}
+        prompt = [5, 6, 7, 8]
+        greedy_before = _greedy(engine, prompt)
+        lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+
+        metrics = trainer.train_step([synthetic_group([0.0, 1.0, 0.0, 1.0])])
+
+        assert metrics["no_trainable_rows"] == 0 and metrics["grad_norm"] > 0
+        assert any(not torch.equal(p, lora_before[n]) for n, p in trainer.model.named_parameters() if n in lora_before)
+        assert all(torch.equal(p, before[n]) for n, p in served.items()), "training wrote a base weight"
+        assert _greedy(engine, prompt) == greedy_before  # the engine serves the base model as before
+    finally:
+        engine.shutdown()
+
+
+def test_shared_weights_are_one_copy_while_used_and_freed_with_the_last_user(tiny_model_path):
+    dtype = torch.float64  # a key no other test of this process loads
+    key = (str(resolve_model("tiny-random").path.resolve()), "cpu", str(dtype))
+    a, _, _ = load_model("tiny-random", dtype=dtype, shared=True)
+    b, _, _ = load_model("tiny-random", dtype=dtype, shared=True)
+    own, _, _ = load_model("tiny-random", dtype=dtype)
+    assert a is not b and a.model is not b.model
+    pairs = list(zip(a.parameters(), b.parameters(), own.parameters()))
+    assert all(x.data_ptr() == y.data_ptr() and x.data_ptr() != z.data_ptr() for x, y, z in pairs)
+    assert a.lm_head.weight is a.model.embed_tokens.weight  # tied weights stay tied in a twin
+    b.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    assert a.model.layers[0].self_attn.q_proj.weight.requires_grad  # each twin's own Parameter objects
+    del a
+    gc.collect()
+    assert key in _SOURCES  # b still uses them
+    del b, pairs
+    gc.collect()
+    assert key not in _SOURCES
