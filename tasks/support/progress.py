@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from tasks.support.prefect_client import api_client
+
 log = logging.getLogger("trajflow")
 
 
@@ -36,9 +38,11 @@ class Progress:
     async def start(self) -> Progress:
         if self._prefect:
             try:
-                from prefect.artifacts import acreate_progress_artifact
+                from prefect.artifacts import ProgressArtifact
 
-                self._artifact_id = await acreate_progress_artifact(progress=0.0, description=self.label)
+                async with api_client() as client:
+                    artifact = await ProgressArtifact(progress=0.0, description=self.label).acreate(client=client)
+                self._artifact_id = artifact.id
             except Exception as exc:  # noqa: BLE001 - progress must never fail the work
                 log.debug("progress artifact unavailable: %s", exc)
         return self
@@ -58,6 +62,8 @@ class Progress:
             try:
                 from prefect.artifacts import aupdate_progress_artifact
 
-                await aupdate_progress_artifact(self._artifact_id, progress=100.0 * self.done / self.total)
+                async with api_client() as client:
+                    await aupdate_progress_artifact(self._artifact_id, progress=100.0 * self.done / self.total,
+                                                    client=client)
             except Exception as exc:  # noqa: BLE001
                 log.debug("progress artifact update failed: %s", exc)
