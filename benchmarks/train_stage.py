@@ -1,0 +1,159 @@
+"""Where the seconds of the flow's train stage go, at the main job's shape (SmolLM2-135M, arithmetic rows).
+
+On the H200 the train stage of `configs/default.yaml` with 16 groups x 16 rollouts (benchmarks/results/async-h200.md)
+took 6.8 s per step, of which `train/update_s` 3.4 s, for ~256 rows of ~50 tokens (~13k tokens: about 0.1 s of
+arithmetic for a 135M model). This runs the product's own stage function (`backends.policy.checkpoints.train_step`:
+read the scored groups, the GRPO update, the policy-shift pass, checkpoint upload, the probe record, training.json)
+on a local run store, with each part timed by wrapping it (the code under test is not changed), on random weights of
+SmolLM2-135M's shape and rows of the arithmetic agent's lengths (prompt ~38 tokens shared by a group's 16 rows,
+completions of 1-16 tokens). `--profile-step K` adds torch.profiler's top operators for the update of step K.
+
+    python benchmarks/train_stage.py --device cuda --out benchmarks/results/train-stage-h200.json
+    .venv/bin/python benchmarks/train_stage.py --device cpu --steps 3 --groups 4 --out /tmp/train-stage.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def arithmetic_groups(step: int, groups: int, group_size: int, vocab: int, prompt_tokens: int, max_new: int):
+    """`groups` single-turn groups: one prompt per group, `group_size` completions of 1..max_new tokens each."""
+    from agents.trajectory import SampledTurn, Trajectory, TrajectoryGroup
+
+    rng = random.Random(7000 + step)
+    out = []
+    for _ in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens + rng.randint(-4, 4))]
+        trajs = []
+        for _ in range(group_size):
+            n = rng.randint(1, max_new)
+            turn = SampledTurn(message={"role": "assistant", "content": ""}, prompt_token_ids=list(prompt),
+                               token_ids=[rng.randrange(vocab) for _ in range(n)],
+                               logprobs=[-math.log(vocab) + rng.gauss(0, 0.1) for _ in range(n)])
+            trajs.append(Trajectory(messages_and_choices=[turn], reward=rng.random()))
+        out.append(TrajectoryGroup(trajs))
+    return out
+
+
+def timed(times: dict, name: str, fn, sync):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        started = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sync()
+            times[name] += time.perf_counter() - started
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=38)
+    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--profile-step", type=int, default=0, help="torch.profiler over the update of this step (0: none)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import backends.policy.checkpoints as checkpoints
+    from backends.modeling.loading import build_tiny_tokenizer
+    from backends.training.config import TrainerConfig
+    from backends.training.trainer import GRPOTrainer
+    from storage.store import RunStore
+
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation="sdpa")).eval()
+    torch.set_default_dtype(old)
+    cfg = TrainerConfig(learning_rate=2e-4, lora_rank=8, lora_alpha=16, seed=0)  # configs/default.yaml's trainer
+    trainer = GRPOTrainer("bench", cfg, device=args.device, model=model, tokenizer=build_tiny_tokenizer())
+    sync()
+    build_s = time.perf_counter() - started
+
+    times: dict[str, float] = defaultdict(float)
+    with tempfile.TemporaryDirectory(prefix="train-stage-") as root:
+        store = RunStore(root, "bench", "train-stage")
+        checkpoints.initialize(store, lambda: trainer)
+        for name in ("read_groups", "write_groups", "upload_folder", "put_json", "get_json", "exists"):
+            setattr(store, name, timed(times, f"store.{name}", getattr(store, name), sync))
+        for name in ("train_step", "save_checkpoint"):
+            setattr(trainer, name, timed(times, f"trainer.{name}", getattr(trainer, name), sync))
+        checkpoints.policy_shift = timed(times, "policy_shift", checkpoints.policy_shift, sync)
+        checkpoints.probe_record = timed(times, "probe_record", checkpoints.probe_record, sync)
+        steps, profile = [], None
+        for step in range(1, args.steps + 1):
+            groups = arithmetic_groups(step, args.groups, args.group_size, SMOLLM2_135M["vocab_size"],
+                                       args.prompt_tokens, args.max_new)
+            times.clear()
+            prof = None
+            if step == args.profile_step:
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+                prof = torch.profiler.profile(activities=acts)
+                prof.__enter__()
+            t0 = time.perf_counter()
+            result = checkpoints.train_step(store, step, trainer, groups=groups, max_off_policy_steps=None)
+            sync()
+            total = time.perf_counter() - t0
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                profile = {"by_self_cpu": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25),
+                           "by_device": prof.key_averages().table(sort_by=key, row_limit=25)}
+            m = result["metrics"]
+            row = {"step": step, "stage_s": round(total, 4), **{k: round(v, 4) for k, v in sorted(times.items())},
+                   "tokens": m.get("train/tokens"), "micro_batches": m.get("train/micro_batches"),
+                   "update_step_time_s": round(m.get("train/step_time_s", 0.0), 4),
+                   "probe_record_s": round(m.get("train/probe_record_s", 0.0), 4)}
+            row["unaccounted_s"] = round(total - sum(times.values()), 4)
+            steps.append(row)
+            print(json.dumps(row), flush=True)
+
+    later = steps[1:] or steps
+    summary = {"stage_s_median": sorted(r["stage_s"] for r in later)[len(later) // 2],
+               "update_s_median": sorted(r["trainer.train_step"] for r in later)[len(later) // 2],
+               "tokens_per_step": later[-1]["tokens"], "model_build_s": round(build_s, 2)}
+    out = {"summary": summary, "steps": steps, "profile": profile,
+           "command": "python benchmarks/train_stage.py " + " ".join(sys.argv[1:]),
+           "config": vars(args), "model_shape": SMOLLM2_135M,
+           "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                           "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    if profile:
+        print(profile["by_self_cpu"])
+        print(profile["by_device"])
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
