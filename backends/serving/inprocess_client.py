@@ -7,8 +7,10 @@ asks for logprobs and token ids on every call, copies ``prompt_token_ids`` and t
 and, inside :func:`agents.client.rollout_context`, seeds each call from the rollout's identity; so an agent's
 ``rollout(client, policy, scenario)`` records the same trajectories as through the server, with no sockets.
 
-For scripts that hold the engine in the same process (GPU benchmarks, notebooks). Engine errors are raised as they
-are (`RequestError` for a bad request, `UnknownModel` for an unknown policy name).
+For scripts that hold the engine in the same process (GPU benchmarks, notebooks). Errors are the ``openai`` exceptions
+the HTTP client raises for the server's answer: ``BadRequestError`` (400) for a bad request, a prompt past the context
+included (so `agents.examples.turn_sampling` ends such an episode as it does over HTTP, instead of failing the
+rollout), ``NotFoundError`` (404) for an unknown policy name; the engine's own exception is the ``__cause__``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,26 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from backends.inference.engine import Engine
+from backends.inference.adapters import UnknownModel
+from backends.inference.engine import Engine, RequestError
 from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params
+
+
+def _status_error(status: int, message: str):
+    """The ``openai`` exception its client raises for an error answer `status` of the embedded server (the client's
+    message format, ``Error code: <status> - <message>``; the response is the one the server would send)."""
+    import openai
+
+    from backends.serving.app import error_response
+
+    try:  # the HTTP library of the installed openai client (httpx2 in openai >= 3)
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    response = http.Response(status, request=http.Request("POST", "http://in-process/v1/chat/completions"),
+                             content=error_response(status, message).body)
+    kind = {400: openai.BadRequestError, 404: openai.NotFoundError}[status]
+    return kind(f"Error code: {status} - {message}", response=response, body=response.json()["error"])
 
 
 class _Completions:
@@ -35,10 +55,15 @@ class _Completions:
             raise ValueError("InProcessClient does not stream; call without stream=True")
         body = {k: v for k, v in kwargs.items() if v is not None}
         add_training_fields(body, current_rollout())
-        req = parse_request(body)
-        self._engine.adapters.resolve(req.model)  # unknown policy: UnknownModel before the template work
-        prompt = render_prompt(self._engine.tokenizer, req)
-        completions = await self._engine.generate(prompt, sampling_params(req), req.model, req.n)
+        try:
+            req = parse_request(body)
+            self._engine.adapters.resolve(req.model)  # unknown policy: UnknownModel before the template work
+            prompt = render_prompt(self._engine.tokenizer, req)
+            completions = await self._engine.generate(prompt, sampling_params(req), req.model, req.n)
+        except RequestError as exc:
+            raise _status_error(400, str(exc)) from exc
+        except UnknownModel as exc:
+            raise _status_error(404, str(exc)) from exc
         data = response_json(req, prompt, completions, self._names)
         for choice in data["choices"]:
             choice.setdefault("policy", data["model"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from agents.client import policy_client, rollout_context
@@ -58,7 +59,7 @@ async def test_seeds_come_from_the_rollout_context(engine):
     assert first != other
 
 
-async def test_adapter_by_name_and_errors(engine, random_adapter):
+async def test_adapter_by_name_and_errors(engine, random_adapter, tiny_server):
     engine.load_adapter("rand", str(random_adapter[0]), replace=True)
     client = InProcessClient(engine)
     msgs = [{"role": "user", "content": "hello"}]
@@ -68,9 +69,28 @@ async def test_adapter_by_name_and_errors(engine, random_adapter):
     lp_lora = [e.logprob for e in lora.choices[0].logprobs.content]
     assert lora.choices[0].model_dump()["policy"] == "rand"
     assert lp_base != lp_lora
-    with pytest.raises(UnknownModel):
-        await client.chat.completions.create(model="nope", messages=msgs, max_tokens=4)
-    with pytest.raises(RequestError, match="top_k"):
-        await client.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=4, top_k=5)
+    http = policy_client(tiny_server.base_url, api_key=API_KEY, max_retries=0)
+    for call in (dict(model="nope", messages=msgs, max_tokens=4),  # unknown policy: 404
+                 dict(model="tiny-random", messages=msgs, max_tokens=4, temperature=-1),  # bad request: 400
+                 dict(model="tiny-random", messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4)):
+        with pytest.raises(openai.APIStatusError) as over_http:
+            await http.chat.completions.create(**call)
+        with pytest.raises(openai.APIStatusError) as in_process:  # the same exception as the HTTP client's
+            await client.chat.completions.create(**call)
+        assert type(in_process.value) is type(over_http.value)
+        assert in_process.value.status_code == over_http.value.status_code
+        assert in_process.value.body == over_http.value.body or call["model"] == "nope"  # (`rand` is not on the server)
+        assert str(in_process.value).split(" - ")[0] == str(over_http.value).split(" - ")[0]
+        assert isinstance(in_process.value.__cause__, (UnknownModel, RequestError))
     with pytest.raises(ValueError, match="stream"):
         await client.chat.completions.create(model="tiny-random", messages=msgs, stream=True)
+
+
+async def test_context_overflow_ends_the_episode_as_over_http(engine):
+    """A conversation past the context is the agents' ContextExhausted (an episode end), not a failed rollout."""
+    from agents.examples.turn_sampling import ContextExhausted, sample_turn
+    from agents.trajectory import Trajectory
+
+    traj = Trajectory(messages_and_choices=[{"role": "user", "content": "word " * 5000}])
+    with pytest.raises(ContextExhausted, match="context length"):
+        await sample_turn(InProcessClient(engine), "tiny-random", traj, max_tokens=4)
