@@ -70,9 +70,9 @@ async def test_adapter_by_name_and_errors(engine, random_adapter, tiny_server):
     assert lora.choices[0].model_dump()["policy"] == "rand"
     assert lp_base != lp_lora
     http = policy_client(tiny_server.base_url, api_key=API_KEY, max_retries=0)
-    for call in (dict(model="nope", messages=msgs, max_tokens=4),  # unknown policy: 404
-                 dict(model="tiny-random", messages=msgs, max_tokens=4, temperature=-1),  # bad request: 400
-                 dict(model="tiny-random", messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4)):
+    for call in ({"model": "nope", "messages": msgs, "max_tokens": 4},  # unknown policy: 404
+                 {"model": "tiny-random", "messages": msgs, "max_tokens": 4, "temperature": -1},  # bad request: 400
+                 {"model": "tiny-random", "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 4}):
         with pytest.raises(openai.APIStatusError) as over_http:
             await http.chat.completions.create(**call)
         with pytest.raises(openai.APIStatusError) as in_process:  # the same exception as the HTTP client's
