@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.layer_compile import LayerFunctions
 from backends.inference.layer_math import Proj, after_attention, before_attention, rms_norm, signed_sin
-from backends.inference.lora_slots import GROUPS, LoraSlots, LoraTerms, RowMasks
+from backends.inference.lora_slots import GROUPS, LoraSlots, RowMasks
 from backends.modeling.logits import logits_fp32
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -170,6 +170,7 @@ class DecoderRunner:
         self.kv, self.lora = kv, lora
         self.joint_kv_write = compile if joint_kv_write is None else joint_kv_write
         self.fns = LayerFunctions(compile)
+        self.warm_up_seconds = 0.0
         if fuse_lora_a:
             lora.bind_a(lambda layer, group, cols: self.layers[layer].groups[group].append_a(cols))
 
@@ -241,66 +242,42 @@ class DecoderRunner:
             return o.reshape(B, self.num_heads * self.head_dim)
 
         fns = self.fns.active()
-        # compiled, layer 0 adds zeros too: one compiled variant fewer, and the add fuses into the norm
-        residual = torch.zeros_like(x) if fns is not LayerFunctions.EAGER else None
+        residual = None
+        if fns is not LayerFunctions.EAGER:  # layer 0 adds zeros too: one compiled variant fewer
+            residual = self._zero_residual(x, self._operands(0, masks)("down"))
         for i in range(len(self.layers)):
             x, residual = self._layer(i, x, residual, self._operands(i, masks), cos, sin,
                                       lambda q, kv, i=i: attend(i, q, kv), fns, stack_kv=self.joint_kv_write)
         return self._logits(x + residual)
 
     def warm_up(self) -> float:
-        """Compile the decode step's layer functions now (`layer_compile`, choice 4): batch 1 and batch 2 (whose
-        batch size is marked symbolic), without and with a LoRA term (rank 1 in every slot, its column count marked
-        symbolic), each through two layers (the first one's residual is zeros, the others' the MLP output). Zero
-        inputs, no cache write. Returns the seconds it took (0 when not compiling)."""
-        if not self.fns.compile:
+        """Compile the decode step's layer functions now (`layer_compile`, choice 4), through two layers (the first
+        one's residual is zeros, the others' the MLP output) at batch 1 and batch 2 (after which the batch size is
+        symbolic), without LoRA and, once adapters are resident, with the LoRA stacks as they are. Layer 0's
+        weights, zero inputs, no cache write. Returns the seconds it took (0 when not compiling)."""
+        if not self.fns.compile or self.fns.failure is not None:
             return 0.0
         t0 = time.perf_counter()
-        mark = torch._dynamo.maybe_mark_dynamic
         with torch.inference_mode():
-            for batch in (1, 2):
-                for lora in (False, True):
+            for lora in (False, True) if self.lora.rank else (False,):
+                for batch in (1, 2):
                     x = torch.zeros(batch, self.embed.shape[1], dtype=self.dtype, device=self.device)
                     pos = torch.zeros(batch, dtype=torch.long, device=self.device)
-                    cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-                    operands = self._warm_up_operands(batch, lora)
-                    residual = torch.zeros_like(x)
-                    if batch > 1:
-                        for t in (x, residual, cos, sin):
-                            mark(t, 0)
-
-                    def attend(q, kv):
-                        attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=self.dtype, device=self.device)
-                        if batch > 1:
-                            mark(attn, 0)
-                        return attn
-
+                    masks = self.lora.row_masks(pos) if lora else None  # every row on slot 0
+                    operands = self._operands(0, masks)
+                    residual = self._zero_residual(x, operands("down"))
+                    attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=self.dtype, device=self.device)
                     for _ in range(2):
-                        x, residual = self._layer(0, x, residual, operands, cos, sin, attend, self.fns.active(),
+                        x, residual = self._layer(0, x, residual, operands, self.cos[pos].unsqueeze(1),
+                                                  self.sin[pos].unsqueeze(1), lambda q, kv: attn, self.fns.active(),
                                                   stack_kv=self.joint_kv_write)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.warm_up_seconds += seconds
+        return seconds
 
-    def _warm_up_operands(self, batch: int, lora: bool) -> Callable[[str], Proj]:
-        """Layer 0's operands with a dummy LoRA term of rank 1 in every slot (all columns off: a zero delta)."""
-        if not lora:
-            return self._operands(0, None)
-        mark = torch._dynamo.maybe_mark_dynamic
-        out = {}
-        for name, group in self.layers[0].groups.items():
-            cols = self.lora.num_slots * len(GROUPS[name])
-            w = group.operands().weight if group.parts is None else group.parts[0][0]
-            off = torch.ones(batch, cols, dtype=torch.bool, device=self.device)
-            B = torch.zeros(cols, group.out, dtype=self.dtype, device=self.device)
-            A = None if self.lora.fused_a else torch.zeros(w.shape[1], cols, dtype=self.dtype, device=self.device)
-            for t, dim in ((off, 1), (B, 0), (A, 1)) + (((off, 0),) if batch > 1 else ()):
-                if t is not None:
-                    mark(t, dim)
-            proj = group.operands(LoraTerms(A, B, off))
-            if A is None:  # fused: dummy A rows appended to a copy of the base weight
-                weight, bias = group.with_a_rows(cols)
-                proj = proj._replace(weight=weight, bias=bias)
-                mark(proj.weight, 0)
-                if proj.bias is not None:
-                    mark(proj.bias, 0)
-            out[name] = proj
-        return out.__getitem__
+    @staticmethod
+    def _zero_residual(x: torch.Tensor, down: Proj) -> torch.Tensor:
+        """Zeros laid out as the MLP's output will be (a view into the wider output of a fused-A GEMM), so that the
+        first layer runs the same compiled code as the others."""
+        rows = x.shape[1] if down.weight is None else down.weight.shape[0]
+        return x.new_zeros(x.shape[0], rows)[:, : x.shape[1]]
