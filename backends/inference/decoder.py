@@ -13,6 +13,8 @@ The maths is Hugging Face's (same RMSNorm, rotary tables from the model's own ro
 so logits match ``model(...)`` up to float rounding; the tests check logprobs against a teacher-forced HF forward.
 Fusing q/k/v and gate/up into one matmul each (``fuse=True``, the default on CUDA) copies those weights once and
 halves the kernel count of a decode step; on the CPU kernel launches are cheap and the copy is not worth the memory.
+The per-layer maths is in `layer_math` (functions of plain tensors); `DecoderRunner`'s other switches (LoRA's A in
+the base GEMM, torch.compile of a decode step's layers, one cache write for k and v) cut kernels further, same maths.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.layer_compile import LayerFunctions
-from backends.inference.layer_math import Proj, after_attention, before_attention, rms_norm, signed_sin
+from backends.inference.layer_math import Proj, rms_norm, signed_sin
 from backends.inference.lora_slots import GROUPS, LoraSlots, RowMasks
 from backends.modeling.logits import logits_fp32
 
@@ -269,8 +271,8 @@ class DecoderRunner:
                     attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=self.dtype, device=self.device)
                     for _ in range(2):
                         x, residual = self._layer(0, x, residual, operands, self.cos[pos].unsqueeze(1),
-                                                  self.sin[pos].unsqueeze(1), lambda q, kv: attn, self.fns.active(),
-                                                  stack_kv=self.joint_kv_write)
+                                                  self.sin[pos].unsqueeze(1), lambda q, kv, a=attn: a,
+                                                  self.fns.active(), stack_kv=self.joint_kv_write)
         seconds = time.perf_counter() - t0
         self.warm_up_seconds += seconds
         return seconds
