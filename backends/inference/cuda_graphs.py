@@ -67,12 +67,14 @@ class DecodeStep:
         """Step rows 0..batch-1 from `self.host` (already filled); returns ([2, batch] on the CPU, raw [batch, V]).
         Eagerly, LoRA columns are read only for slots < `lora_slots`; a graph always covers every slot."""
         self.dev.copy_(self.host, non_blocking=True)
+        if self.runner.lora.generation != self._generation:
+            # LoRA stacks were reallocated: old graphs are stale, compiled layer functions need these stacks' variant
+            self.clear()
+            self._generation = self.runner.lora.generation
+            self.runner.warm_up()
         if not self.graphs:
             out, raw = self._body(batch, length, lora, top_p, lora_slots)
             return out.cpu(), raw
-        if self.runner.lora.generation != self._generation:  # LoRA stacks were reallocated: old graphs are stale
-            self.clear()
-            self._generation = self.runner.lora.generation
         key = (batch, length, lora, top_p)
         entry = self._graphs.get(key)
         if entry is None:

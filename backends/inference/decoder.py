@@ -13,15 +13,22 @@ The maths is Hugging Face's (same RMSNorm, rotary tables from the model's own ro
 so logits match ``model(...)`` up to float rounding; the tests check logprobs against a teacher-forced HF forward.
 Fusing q/k/v and gate/up into one matmul each (``fuse=True``, the default on CUDA) copies those weights once and
 halves the kernel count of a decode step; on the CPU kernel launches are cheap and the copy is not worth the memory.
+The per-layer maths is in `layer_math` (functions of plain tensors); `DecoderRunner`'s other switches (LoRA's A in
+the base GEMM, torch.compile of a decode step's layers, one cache write for k and v) cut kernels further, same maths.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from backends.inference.kv_cache import SlotKVCache
-from backends.inference.lora_slots import GROUPS, LoraSlots
+from backends.inference.layer_compile import LayerFunctions
+from backends.inference.layer_math import Proj, rms_norm, signed_sin
+from backends.inference.lora_slots import GROUPS, LoraSlots, RowMasks
 from backends.modeling.logits import logits_fp32
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -32,38 +39,55 @@ def _linear_of(module):
 
 
 class ProjGroup:
-    """Projections reading the same input, as one fused matmul or one matmul each."""
+    """Projections reading the same input, as one fused matmul or one matmul each; with `append_a`, the one matmul
+    also computes the LoRA A columns of every slot (lora_slots, "Fused A")."""
 
     def __init__(self, linears: list, fuse: bool):
-        self.out_sizes = [lin.weight.shape[0] for lin in linears]
-        self.fused = fuse and len(linears) > 1
-        if self.fused:
-            self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.out_sizes = tuple(lin.weight.shape[0] for lin in linears)
+        self.out = sum(self.out_sizes)
+        self.a_rows = 0
+        self.parts = None
+        if len(linears) == 1:
+            lin = linears[0]
+            self._set(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+        elif fuse:
             biases = [lin.bias for lin in linears]
-            self.bias = None if all(b is None for b in biases) else torch.cat(
-                [b.detach() if b is not None else lin.weight.new_zeros(lin.weight.shape[0])
-                 for b, lin in zip(biases, linears)])
+            self._set(torch.cat([lin.weight.detach() for lin in linears]),
+                      None if all(b is None for b in biases) else torch.cat(
+                          [b.detach() if b is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                           for b, lin in zip(biases, linears)]))
         else:
-            self.parts = [(lin.weight.detach(), None if lin.bias is None else lin.bias.detach()) for lin in linears]
+            self.weight = self.bias = None
+            self.parts = tuple((lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+                               for lin in linears)
 
-    @property
-    def one_matmul(self) -> bool:
-        """Whether the group's output is one tensor [N, out_1 + … + out_M] (fused, or a single member)."""
-        return self.fused or len(self.parts) == 1
+    def _set(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self._base = (weight[: self.out], None if bias is None else bias[: self.out])
 
-    def output(self, x: torch.Tensor, add_lora=None) -> torch.Tensor:
-        """[N, out_1 + … + out_M] of a one-matmul group; `add_lora(y)` adds the LoRA delta in place."""
-        y = F.linear(x, self.weight, self.bias) if self.fused else F.linear(x, *self.parts[0])
-        return y if add_lora is None else add_lora(y)
+    def append_a(self, cols: int) -> torch.Tensor:
+        """Make the weight ``[W ; 0]`` with `cols` zero rows (a copy; the model's own weights stay as they are) and
+        return those rows as A's [in, cols] view. Called again, it replaces the previous rows."""
+        if self.parts is not None:
+            raise ValueError("LoRA A can only be fused into a group computed as one matmul")
+        self._set(*self.with_a_rows(cols))
+        self.a_rows = cols
+        return self.weight[self.out :].t()
 
-    def __call__(self, x: torch.Tensor, add_lora=None, delta=None) -> list[torch.Tensor]:
-        """Outputs of each member for rows `x` [N, in]; LoRA as `add_lora(y)` (one-matmul groups) or `delta()`."""
-        if self.one_matmul:
-            return list(self.output(x, add_lora).split(self.out_sizes, dim=-1))
-        outs = [F.linear(x, w, b) for w, b in self.parts]
-        if delta is not None:
-            outs = [o + d for o, d in zip(outs, delta().split(self.out_sizes, dim=-1))]
-        return outs
+    def with_a_rows(self, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the base projection with `cols` zero rows appended (new tensors)."""
+        w, b = self._base
+        with torch.inference_mode(False):  # ordinary tensors, like the weights they extend (compiled code's guards)
+            return (torch.cat([w, w.new_zeros(cols, w.shape[1])]),
+                    None if b is None else torch.cat([b, b.new_zeros(cols)]))
+
+    def operands(self, lora=None) -> Proj:
+        """The group's `Proj` with LoRA term `lora` (None: no row uses an adapter, and the A rows are not computed)."""
+        if self.parts is not None:
+            return Proj(None, None, self.parts, self.out_sizes, lora)
+        if lora is not None and lora.A is None:
+            return Proj(self.weight, self.bias, None, self.out_sizes, lora)
+        return Proj(*self._base, None, self.out_sizes, lora)
 
 
 class _Layer:
@@ -71,8 +95,9 @@ class _Layer:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.norm1 = (hf_layer.input_layernorm.weight.detach(), _eps(hf_layer.input_layernorm))
         self.norm2 = (hf_layer.post_attention_layernorm.weight.detach(), _eps(hf_layer.post_attention_layernorm))
-        self.q_norm = (attn.q_norm.weight.detach(), _eps(attn.q_norm)) if hasattr(attn, "q_norm") else None
-        self.k_norm = (attn.k_norm.weight.detach(), _eps(attn.k_norm)) if hasattr(attn, "k_norm") else None
+        self.qk_norms = (((attn.q_norm.weight.detach(), _eps(attn.q_norm)), (attn.k_norm.weight.detach(),
+                                                                              _eps(attn.k_norm)))
+                         if hasattr(attn, "q_norm") else None)
         self.groups = {name: ProjGroup([_linear_of(getattr(attn if name in ("qkv", "o") else mlp, m))
                                         for m in members], fuse)
                        for name, members in GROUPS.items()}
@@ -81,29 +106,6 @@ class _Layer:
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-
-
-def rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """Hugging Face's RMSNorm: weight * (x / sqrt(mean(x^2) + eps)) computed in float32, cast back before the weight.
-    On CUDA, torch's fused kernel (one launch instead of six; the weight is applied before the final rounding)."""
-    weight, eps = weight_eps
-    if x.is_cuda:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated: ``rotate_half(x) * sin == x.roll(D/2, -1) * signed_sin(sin)``."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` written as a roll
-    times a pre-signed sin: three kernels (mul, roll, addcmul) where the literal form takes five."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def unwrap_causal_lm(model):
@@ -141,15 +143,24 @@ def describe(model) -> dict:
 
 
 class DecoderRunner:
-    """Prefill and decode for one model on one device, with a slot KV cache and LoRA slots."""
+    """Prefill and decode for one model on one device, with a slot KV cache and LoRA slots.
 
-    def __init__(self, model, max_len: int, kv: SlotKVCache, lora: LoraSlots, fuse: bool):
+    Switches (all give the same maths): `fuse` q/k/v and gate/up into one matmul each; `fuse_lora_a` (implies
+    `fuse`) appends LoRA's A to each group's weight, one GEMM for both (lora_slots, "Fused A"); `compile` runs a
+    decode step's per-layer functions through torch.compile (`layer_compile`); `joint_kv_write` (default: with
+    `compile`, where the stacking of k and v fuses into the RoPE kernel) writes a decode step's k and v to the cache
+    with one indexed write instead of two.
+    """
+
+    def __init__(self, model, max_len: int, kv: SlotKVCache, lora: LoraSlots, fuse: bool, fuse_lora_a: bool = False,
+                 compile: bool = False, joint_kv_write: bool | None = None):
         model = unwrap_causal_lm(model)
         info = describe(model)
         self.num_heads, self.num_kv_heads, self.head_dim = info["num_heads"], info["num_kv_heads"], info["head_dim"]
         self.embed = model.model.embed_tokens.weight.detach()
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.layers = [_Layer(layer, fuse) for layer in model.model.layers]
+        self.layers = [_Layer(layer, fuse or fuse_lora_a) for layer in model.model.layers]
+        self.act = self.layers[0].act  # one object for every layer: compiled code is specialised on it
         self.final_norm = (model.model.norm.weight.detach(), _eps(model.model.norm))
         self.lm_head = model.lm_head.weight.detach()
         positions = torch.arange(max_len, device=self.device).unsqueeze(0)
@@ -159,40 +170,26 @@ class DecoderRunner:
         self.cos = cos[0].to(self.dtype)  # [max_len, head_dim]
         self.sin = signed_sin(sin[0].to(self.dtype))  # pre-signed for rope()
         self.kv, self.lora = kv, lora
+        self.joint_kv_write = compile if joint_kv_write is None else joint_kv_write
+        self.fns = LayerFunctions(compile)
+        self.warm_up_seconds = 0.0
+        if fuse_lora_a:
+            lora.bind_a(lambda layer, group, cols: self.layers[layer].groups[group].append_a(cols))
 
-    def _lora_args(self, layer: int, group: str, x: torch.Tensor, masks) -> dict:
-        """How `group` takes its LoRA term for rows `x`: added in place by one GEMM, or as a delta (unfused)."""
-        if masks is None:
-            return {}
-        return {"add_lora": lambda y: self.lora.add_delta_(layer, group, x, masks, y),
-                "delta": lambda: self.lora.delta(layer, group, x, masks)}
+    def _operands(self, layer: int, masks: RowMasks | None) -> Callable[[str], Proj]:
+        return lambda group: self.layers[layer].groups[group].operands(
+            None if masks is None else self.lora.terms(layer, group, masks))
 
-    def _project(self, layer: int, group: str, x: torch.Tensor, masks) -> list[torch.Tensor]:
-        return self.layers[layer].groups[group](x, **self._lora_args(layer, group, x, masks))
-
-    def _mlp(self, i: int, x: torch.Tensor, masks) -> torch.Tensor:
+    def _layer(self, i: int, x: torch.Tensor, residual, operands: Callable[[str], Proj], cos, sin, attend, fns,
+               shape=None, stack_kv=False):
+        """Layer `i` on the residual stream `x` (+ `residual`, the previous layer's MLP output); `operands(group)`
+        gives each projection group's `Proj`, `attend(q, kv)` the attention output [N, heads * head_dim].
+        Returns (x, this layer's MLP output)."""
         layer = self.layers[i]
-        h = rms_norm(x, layer.norm2)
-        gate, up = self._project(i, "gate_up", h, masks)
-        (down,) = self._project(i, "down", layer.act(gate) * up, masks)
-        return x + down
-
-    def _qkv(self, i: int, h: torch.Tensor, masks, shape: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor):
-        """q, k (rotated) and v as [*shape, heads, head_dim]; cos/sin broadcast against that."""
-        layer = self.layers[i]
-        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        group = layer.groups["qkv"]
-        lora = self._lora_args(i, "qkv", h, masks)
-        if group.fused and layer.q_norm is None:
-            # q and k are adjacent columns of the fused output: rotate them with one set of kernels
-            y = group.output(h, lora.get("add_lora"))
-            qk = rope(y[..., : (heads + kv_heads) * d].view(*shape, heads + kv_heads, d), cos, sin)
-            return qk[..., :heads, :], qk[..., heads:, :], y[..., (heads + kv_heads) * d :].view(*shape, kv_heads, d)
-        q, k, v = group(h, **lora)
-        q, k, v = q.view(*shape, heads, d), k.view(*shape, kv_heads, d), v.view(*shape, kv_heads, d)
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        x, q, kv = fns.before_attention(x, residual, layer.norm1, operands("qkv"), layer.qk_norms, cos, sin,
+                                        self.num_heads, self.num_kv_heads, shape, stack_kv)
+        return fns.after_attention(x, attend(q, kv), operands("o"), layer.norm2, operands("gate_up"),
+                                   operands("down"), self.act)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_fp32(rms_norm(x, self.final_norm), self.lm_head)
@@ -207,18 +204,19 @@ class DecoderRunner:
             masks = self.lora.row_masks(lora_rows.repeat_interleave(T), lora_slots)
         x = F.embedding(tokens, self.embed).view(n * T, -1)
         cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # [T, 1, D] against [n, T, H, D]
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.norm1)
-            q, k, v = self._qkv(i, h, masks, (n, T), cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, H, T, D]
-            self.kv.keys(i)[slots, :, :T] = k
-            self.kv.values(i)[slots, :, :T] = v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-            o = o.transpose(1, 2).reshape(n * T, self.num_heads * self.head_dim)
-            (o,) = self._project(i, "o", o, masks)
-            x = self._mlp(i, x + o, masks)
-        last = x.view(n, T, -1)[torch.arange(n, device=x.device), lengths - 1]
+        residual = None
+        for i in range(len(self.layers)):
+            def attend(q, kv, i=i):
+                q, k, v = q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [n, H, T, D]
+                self.kv.keys(i)[slots, :, :T] = k
+                self.kv.values(i)[slots, :, :T] = v
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   enable_gqa=self.num_heads != self.num_kv_heads)
+                return o.transpose(1, 2).reshape(n * T, self.num_heads * self.head_dim)
+
+            x, residual = self._layer(i, x, residual, self._operands(i, masks), cos, sin, attend,
+                                      LayerFunctions.EAGER, (n, T))
+        last = (x + residual).view(n, T, -1)[torch.arange(n, device=x.device), lengths - 1]
         return self._logits(last)
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, length: int, lora_rows: torch.Tensor | None,
@@ -233,14 +231,55 @@ class DecoderRunner:
             ~visible, torch.finfo(self.dtype).min).view(B, 1, 1, length)
         rows = torch.arange(B, device=x.device)
         group = self.num_heads // self.num_kv_heads
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.norm1)
-            q, k, v = self._qkv(i, h, masks, (B,), cos, sin)
-            keys, values = self.kv.keys(i), self.kv.values(i)
-            keys[rows, :, pos] = k
-            values[rows, :, pos] = v
-            qg = q.view(B, self.num_kv_heads, group, self.head_dim)  # the heads sharing a kv head, as "queries"
-            o = F.scaled_dot_product_attention(qg, keys[:B, :, :length], values[:B, :, :length], attn_mask=bias)
-            (o,) = self._project(i, "o", o.reshape(B, self.num_heads * self.head_dim), masks)
-            x = self._mlp(i, x + o, masks)
-        return self._logits(x)
+
+        def attend(i: int, q: torch.Tensor, kv) -> torch.Tensor:
+            if isinstance(kv, tuple):
+                self.kv.keys(i)[rows, :, pos] = kv[0]
+                self.kv.values(i)[rows, :, pos] = kv[1]
+            else:
+                self.kv.write(i, rows, pos, kv)
+            qg = q.reshape(B, self.num_kv_heads, group, self.head_dim)  # the heads sharing a kv head, as "queries"
+            o = F.scaled_dot_product_attention(qg, self.kv.keys(i)[:B, :, :length], self.kv.values(i)[:B, :, :length],
+                                               attn_mask=bias)
+            return o.reshape(B, self.num_heads * self.head_dim)
+
+        fns = self.fns.active()
+        residual = None
+        if fns is not LayerFunctions.EAGER:  # layer 0 adds zeros too: one compiled variant fewer
+            residual = self._zero_residual(x, self._operands(0, masks)("down"))
+        for i in range(len(self.layers)):
+            x, residual = self._layer(i, x, residual, self._operands(i, masks), cos, sin,
+                                      lambda q, kv, i=i: attend(i, q, kv), fns, stack_kv=self.joint_kv_write)
+        return self._logits(x + residual)
+
+    def warm_up(self) -> float:
+        """Compile the decode step's layer functions now (`layer_compile`, choice 4), through two layers (the first
+        one's residual is zeros, the others' the MLP output) at batch 1 and batch 2 (after which the batch size is
+        symbolic), without LoRA and, once adapters are resident, with the LoRA stacks as they are. Layer 0's
+        weights, zero inputs, no cache write. Returns the seconds it took (0 when not compiling)."""
+        if not self.fns.compile or self.fns.failure is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for lora in (False, True) if self.lora.rank else (False,):
+                for batch in (1, 2):
+                    x = torch.zeros(batch, self.embed.shape[1], dtype=self.dtype, device=self.device)
+                    pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+                    masks = self.lora.row_masks(pos) if lora else None  # every row on slot 0
+                    operands = self._operands(0, masks)
+                    residual = self._zero_residual(x, operands("down"))
+                    attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=self.dtype, device=self.device)
+                    for _ in range(2):
+                        x, residual = self._layer(0, x, residual, operands, self.cos[pos].unsqueeze(1),
+                                                  self.sin[pos].unsqueeze(1), lambda q, kv, a=attn: a,
+                                                  self.fns.active(), stack_kv=self.joint_kv_write)
+        seconds = time.perf_counter() - t0
+        self.warm_up_seconds += seconds
+        return seconds
+
+    @staticmethod
+    def _zero_residual(x: torch.Tensor, down: Proj) -> torch.Tensor:
+        """Zeros laid out as the MLP's output will be (a view into the wider output of a fused-A GEMM), so that the
+        first layer runs the same compiled code as the others."""
+        rows = x.shape[1] if down.weight is None else down.weight.shape[0]
+        return x.new_zeros(x.shape[0], rows)[:, : x.shape[1]]

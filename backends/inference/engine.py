@@ -83,6 +83,14 @@ class EngineConfig(BaseModel):
         "capture (~0.1-1 s) per new (batch, length) bucket."))
     fuse_projections: bool | None = Field(None, description=(
         "Run q/k/v and gate/up as one matmul each (default: on for CUDA). Fewer kernels; copies those weights."))
+    fuse_lora_a: bool | None = Field(None, description=(
+        "Compute LoRA's A in the base matmul of each projection group (its columns appended to the weight; implies "
+        "fuse_projections). One kernel fewer per group and layer in every LoRA step; copies the o/down weights "
+        "too. Default: off (on CUDA pending the H200 decode benchmark, benchmarks/engine_decode.py)."))
+    compile_decode: bool | None = Field(None, description=(
+        "torch.compile (Inductor) a decode step's per-layer pointwise work, inside the CUDA graph: fewer kernels "
+        "per step. Compiles at engine start (seconds to a minute; cached on disk for the next start); runs eagerly "
+        "if compiling fails. Default: off (on CUDA pending the H200 decode benchmark)."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
@@ -181,7 +189,8 @@ class Engine:
                               info["head_dim"], self.dtype, self.device)
         self.lora = LoraSlots(info["layout"], info["num_layers"], config.max_loras, self.dtype, self.device)
         fuse = cuda if config.fuse_projections is None else config.fuse_projections
-        self.runner = DecoderRunner(model, self.max_seq_len, self.kv, self.lora, fuse)
+        self.runner = DecoderRunner(model, self.max_seq_len, self.kv, self.lora, fuse,
+                                    fuse_lora_a=bool(config.fuse_lora_a), compile=bool(config.compile_decode))
         graphs = cuda if config.cuda_graphs is None else (config.cuda_graphs and cuda)
         self.step = DecodeStep(self.runner, self.max_batch, self.max_seq_len, graphs)
         from backends.modeling.loading import cache_root
@@ -191,7 +200,7 @@ class Engine:
                                         cache_dir, config.max_cpu_loras, self.dtype)
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
-                      "generated_tokens": 0, "decode_seconds": 0.0}
+                      "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -349,6 +358,11 @@ class Engine:
         if self.device.type == "cuda":  # streams and graph captures go to this thread's current device: ours
             torch.cuda.set_device(self.device)
         with torch.inference_mode():
+            # compiles before the first request is taken (requests submitted meanwhile wait in the inbox)
+            try:
+                self.stats["warm_up_seconds"] = self.runner.warm_up()
+            except Exception:  # noqa: BLE001 - steps compile on first use instead; the engine still serves
+                log.exception("decode warm-up failed")
             while True:
                 with self._cv:
                     while not (self._inbox or self._waiting or self._running or self._stopping):

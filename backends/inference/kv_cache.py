@@ -49,6 +49,11 @@ class SlotKVCache:
         """[slots, kv_heads, max_len, head_dim] values of `layer` (a view)."""
         return self.data[layer, 1]
 
+    def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """Key and value of one token per row, in one indexed write: ``kv[b]`` ([2, kv_heads, head_dim], key then
+        value) goes to position ``pos[b]`` of slot ``slots[b]`` of `layer`."""
+        self.data[layer][:, slots, :, pos] = kv
+
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Copy positions [0, length) of slot `src` to each slot in `dsts` (n > 1 choices share their prompt)."""
         if not dsts:

@@ -14,6 +14,11 @@ is kernel launches, not arithmetic) they are what a LoRA step costs. Eagerly (CP
 first adapter's rank rounded up to a power of two and grows (the stacks are reallocated, and ``generation`` changes
 so captured graphs are dropped) when a larger one arrives.
 
+Fused A (``bind_a``, the decoder's ``fuse_lora_a``): ``A_g`` is stored as extra rows of the group's base weight,
+``W_ext = [W ; A_g^T]`` ([out + S*M*R, in]), so one GEMM gives ``[y | x @ A_g]`` and a LoRA group costs two kernels
+(the select and ``addmm_``) beyond its base GEMM instead of three. The rows are reserved for every slot whatever is
+resident, and ``A`` is then a view into ``W_ext``; the maths and the isolation argument below are unchanged.
+
 Isolation: a row's output must not depend on the other rows' adapters. Selecting (``where``/``masked_fill``) rather than
 multiplying by a 0/1 mask keeps another slot's NaN or inf in ``x @ A_g`` out of ``h`` (``0 * NaN`` is NaN). A row
 without an adapter has no column selected, so its ``h`` is all zeros and its delta exactly zero. ``h @ B_g`` still
@@ -43,6 +48,26 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+class LoraTerms(NamedTuple):
+    """What one group needs for its LoRA term over some rows: `A` [in, cols] (None when fused into the base GEMM),
+    `B` [cols, out], `off` [rows, cols] (the columns each row does not read); cols = slots*M*R."""
+
+    A: torch.Tensor | None
+    B: torch.Tensor
+    off: torch.Tensor
+
+
+def add_lora_(y: torch.Tensor, h: torch.Tensor, terms: LoraTerms) -> torch.Tensor:
+    """``y += where(off, 0, h) @ B`` in place, with ``h = x @ A``: the select and the one GEMM of the module
+    docstring (``h`` is overwritten)."""
+    return y.addmm_(h.masked_fill_(terms.off, 0), terms.B)
+
+
+def lora_delta(x: torch.Tensor, terms: LoraTerms) -> torch.Tensor:
+    """``where(off, 0, x @ A) @ B`` as a tensor of its own, for groups whose members are separate matmuls."""
+    return (x @ terms.A).masked_fill_(terms.off, 0) @ terms.B
+
+
 class RowMasks(NamedTuple):
     """Which LoRA columns each row does NOT read: `off[M]`, [rows, slots*M*R] bool, per member count M (all of them
     for a row without an adapter). Inverted once per step so each group clears them with one masked_fill_ (a
@@ -69,6 +94,7 @@ class LoraSlots:
         self._used = [0] * num_slots
         self._tick = 0
         self._dead: set[int] = set()
+        self._provide_a: Callable[[int, str, int], torch.Tensor] | None = None
 
     # -- slot bookkeeping (engine thread only) -------------------------------------------------------------------
     def acquire(self, uid: int, load: Callable[[], HostAdapter]) -> int | None:
@@ -106,16 +132,29 @@ class LoraSlots:
         return [u for u in self._uid if u is not None]
 
     # -- device stacks --------------------------------------------------------------------------------------------
+    def bind_a(self, provide: Callable[[int, str, int], torch.Tensor]) -> None:
+        """Keep A inside the base weights (module docstring, "Fused A"): `provide(layer, group, cols)` returns a
+        zeroed [in, cols] view of rows appended to that group's weight, and is called again whenever the stacks are
+        reallocated."""
+        self._provide_a = provide
+        if self.rank:
+            self._allocate(self.rank)
+
+    @property
+    def fused_a(self) -> bool:
+        return self._provide_a is not None
+
     def _allocate(self, rank: int) -> None:
         self.rank = rank
         self.A, self.B = [], []
-        for _ in range(self.num_layers):
+        for layer in range(self.num_layers):
             a_layer, b_layer = {}, {}
             for group, members in GROUPS.items():
                 fan_in = self.layout[members[0]][0]
                 fan_out = sum(self.layout[m][1] for m in members)
                 cols = self.num_slots * len(members) * rank
-                a_layer[group] = torch.zeros(fan_in, cols, dtype=self.dtype, device=self.device)
+                a_layer[group] = (self._provide_a(layer, group, cols) if self._provide_a is not None else
+                                  torch.zeros(fan_in, cols, dtype=self.dtype, device=self.device))
                 b_layer[group] = torch.zeros(cols, fan_out, dtype=self.dtype, device=self.device)
             self.A.append(a_layer)
             self.B.append(b_layer)
@@ -168,23 +207,15 @@ class LoraSlots:
 
     # -- forward --------------------------------------------------------------------------------------------------
     def row_masks(self, row_slot: torch.Tensor, num_slots: int | None = None) -> RowMasks:
-        """The masks of rows whose adapters sit in `row_slot` (-1: none), over the first `num_slots` slots."""
-        n = self.num_slots if num_slots is None else num_slots
+        """The masks of rows whose adapters sit in `row_slot` (-1: none), over the first `num_slots` slots (all of
+        them when A is fused: the base GEMM computes every slot's columns)."""
+        n = self.num_slots if num_slots is None or self.fused_a else num_slots
         off = {m: cs[: n * m * self.rank].unsqueeze(0) != row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
         return RowMasks(off)
 
-    def _selected(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> tuple[torch.Tensor, int]:
+    def terms(self, layer: int, group: str, masks: RowMasks) -> LoraTerms:
+        """`group`'s LoRA operands at `layer` for the rows of `masks` (module docstring)."""
         off = masks.off[len(GROUPS[group])]
         cols = off.shape[1]
-        return (x @ self.A[layer][group][:, :cols]).masked_fill_(off, 0), cols
-
-    def delta(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks) -> torch.Tensor:
-        """The LoRA contribution of `group` at `layer` for rows `x` [N, in]: [N, out_1 + … + out_M], each row from
-        its own adapter only (module docstring)."""
-        h, cols = self._selected(layer, group, x, masks)
-        return h @ self.B[layer][group][:cols]
-
-    def add_delta_(self, layer: int, group: str, x: torch.Tensor, masks: RowMasks, y: torch.Tensor) -> torch.Tensor:
-        """``y += delta(x)`` in one GEMM (no delta tensor, no separate add); `y` is the group's base output."""
-        h, cols = self._selected(layer, group, x, masks)
-        return y.addmm_(h, self.B[layer][group][:cols])
+        A = None if self.fused_a else self.A[layer][group][:, :cols]
+        return LoraTerms(A, self.B[layer][group][:cols], off)

@@ -24,11 +24,18 @@ def _prompt(tok) -> list[int]:
                                         return_dict=True)["input_ids"])
 
 
-@pytest.fixture(params=[False, True], ids=["separate", "fused"])
+# (fuse_projections, fuse_lora_a, compile_decode): the CPU default, the CUDA defaults, A in the base GEMM, and that
+# compiled (Inductor's C++ backend here; the rank grows 2 -> 4 -> 8 -> 16 in these tests, reallocating the weights)
+VARIANTS = {"separate": (False, False, False), "fused": (True, False, False), "fused-a": (False, True, False),
+            "fused-a-compiled": (False, True, True)}
+
+
+@pytest.fixture(params=list(VARIANTS))
 def two_slot_engine(request, tiny_hf):
     model, tok = tiny_hf
-    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=8, max_loras=2,
-                                                             fuse_projections=request.param))
+    fuse, fuse_a, compiled = VARIANTS[request.param]
+    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=8, max_loras=2, fuse_projections=fuse,
+                                                             fuse_lora_a=fuse_a, compile_decode=compiled))
     yield engine
     engine.shutdown()
 
@@ -49,6 +56,7 @@ async def test_reused_slots_serve_each_adapter_exactly(two_slot_engine, tiny_hf,
         (completion,) = await engine.generate(prompt, PARAMS, names[i])
         _assert_matches(distinct_adapters[i][1], prompt, completion)
     assert len(engine.lora.resident()) == 2
+    assert engine.runner.fns.failure is None  # the compiled variant ran compiled, not its eager fallback
     # in pairs, so a batch mixes two adapters whose slots were just reused
     for i, j in ((4, 2), (1, 0), (3, 2)):
         (a,), (b,) = await asyncio.gather(engine.generate(prompt, PARAMS, names[i]),
@@ -95,6 +103,7 @@ async def test_a_non_finite_slot_never_reaches_other_rows(two_slot_engine, tiny_
     _assert_matches(random_adapter[1], prompt, good)
 
 
+@pytest.mark.parametrize("two_slot_engine", ["separate"], indirect=True)
 def test_a_slot_refuses_non_finite_weights(two_slot_engine):
     slots = two_slot_engine.lora
     fan_in, fan_out = slots.layout["q_proj"]
