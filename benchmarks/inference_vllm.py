@@ -136,13 +136,15 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 class EmbeddedServer:
-    """`trajflow serve` in a subprocess (its own interpreter and GIL)."""
+    """`trajflow serve` in a subprocess (its own interpreter and GIL); `launcher` replaces ``-m flows.cli`` (the
+    serving-overhead benchmark's stand-in wrapper takes the same `serve` arguments after its own)."""
 
-    def __init__(self, folder: Path, device: str, max_batch: int, max_seq_len: int, log: Path):
+    def __init__(self, folder: Path, device: str, max_batch: int, max_seq_len: int, log: Path,
+                 launcher: tuple[str, ...] = ("-m", "flows.cli")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", str(folder), "--device", device,
+        cmd = [sys.executable, *launcher, "serve", "--model", str(folder), "--device", device,
                "--port", str(self.port), "--served-name", SERVED, "--max-batch-size", str(max_batch),
                "--max-seq-len", str(max_seq_len), "--max-loras", "4",
                "--adapter-root", str(folder.parent)]  # the run's folder holds the model and the adapter
