@@ -50,6 +50,7 @@ from backends.inference.adapters import AdapterEntry, AdapterRegistry, UnknownMo
 from backends.inference.cuda_graphs import DecodeStep
 from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.kv_cache import SlotKVCache
+from backends.inference.loop_handoff import LoopHandoff
 from backends.inference.lora_slots import LoraSlots
 from backends.inference.sampling import choice_seed, sample, uniform
 from backends.modeling.chat_render import end_of_turn_ids
@@ -211,6 +212,7 @@ class Engine:
         self._free = list(range(self.max_batch))
         self._ids = 0
         self._stopping = False
+        self._handoff = LoopHandoff()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -255,22 +257,7 @@ class Engine:
     async def generate(self, prompt: list[int], params: SamplingParams, model: str | None = None,
                        n: int = 1) -> list[Completion]:
         """Run a request from an event loop; cancelling the awaiting task aborts it."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def settle(result):
-            if not fut.done():
-                if isinstance(result, BaseException):
-                    fut.set_exception(result)
-                else:
-                    fut.set_result(result)
-
-        def done(result):
-            try:
-                loop.call_soon_threadsafe(settle, result)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
-
+        fut, done = self._handoff.future()
         rid = self.submit(prompt, params, model, n, done)
         try:
             return await fut
