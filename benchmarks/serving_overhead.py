@@ -85,11 +85,13 @@ def build_folder(root: Path, tokenizer: str) -> tuple[Path, Path, dict]:
     return folder, adapter, {"tokenizer": tokenizer, "tokenizer_vocab": len(tok), "lora_rank": 16}
 
 
-def start_server(folder: Path, timing: StandInTiming, log: Path) -> EmbeddedServer:
+def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: float | None = None) -> EmbeddedServer:
     """`benchmarks/standin_server.py` (i.e. `trajflow serve` over the stand-in) in a subprocess."""
-    timing_args = [x for k, v in asdict(timing).items() for x in ("--" + k.replace("_", "-"), str(v))]
+    extra = [x for k, v in asdict(timing).items() for x in ("--" + k.replace("_", "-"), str(v))]
+    if keep_alive_s is not None:
+        extra += ["--keep-alive-s", str(keep_alive_s)]
     return EmbeddedServer(folder, "cpu", MAX_BATCH, MAX_SEQ_LEN, log,
-                          launcher=("-m", "benchmarks.standin_server", *timing_args, "--"))
+                          launcher=("-m", "benchmarks.standin_server", *extra, "--"))
 
 
 def client_cpu() -> float:
@@ -281,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process reference")
     ap.add_argument("--c256-repeats", type=int, default=0, help="then run c=256 x 1024 requests this many times "
                                                                   "and record every failure (the ReadError)")
+    ap.add_argument("--keep-alive-s", type=float, default=None, help="the server's keep-alive timeout instead of its "
+                                                                      "own (5 was uvicorn's default)")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: profile the server during each timed pass")
     ap.add_argument("--profile-client", action="store_true", help="with --py-spy: profile this process instead")
     for name, value in asdict(StandInTiming()).items():
@@ -320,7 +324,8 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(report))
 
-    server = start_server(folder, timing, work / "server.log")
+    server = start_server(folder, timing, work / "server.log", args.keep_alive_s)
+    report["config"]["keep_alive_s"] = args.keep_alive_s
     report["config"]["server_command"] = server.command
     try:
         server.wait_healthy(300)

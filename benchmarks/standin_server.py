@@ -82,8 +82,9 @@ class LagProbe:
                 "p99_ms": pick(0.99), "max_ms": round(1000 * v[-1], 3), "over_10ms": sum(x > 0.010 for x in v)}
 
 
-def instrument(timing: StandInTiming) -> None:
-    """Patch `Engine.from_pretrained` (stand-in) and `create_app` (probe routes) before `trajflow serve` runs."""
+def instrument(timing: StandInTiming, keep_alive_s: float | None = None) -> None:
+    """Patch `Engine.from_pretrained` (stand-in) and `create_app` (probe routes) before `trajflow serve` runs;
+    `keep_alive_s` replaces the server's keep-alive timeout (to show what it does)."""
 
     from backends.inference.engine import Engine
     from backends.serving import app as app_module
@@ -123,16 +124,20 @@ def instrument(timing: StandInTiming) -> None:
 
     Engine.from_pretrained = classmethod(from_pretrained)
     app_module.create_app = create_app
+    if keep_alive_s is not None:
+        app_module.KEEP_ALIVE_S = keep_alive_s
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, value in vars(StandInTiming()).items():
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=value)
+    ap.add_argument("--keep-alive-s", type=float, default=None, help="the server's keep-alive timeout instead of "
+                                                                      "its own")
     ap.add_argument("serve_argv", nargs=argparse.REMAINDER, help="-- serve --model FOLDER ...")
     args = ap.parse_args(argv)
     rest = args.serve_argv[1:] if args.serve_argv[:1] == ["--"] else args.serve_argv
-    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}))
+    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}), args.keep_alive_s)
     from flows.cli import main as cli_main
 
     return cli_main(rest)

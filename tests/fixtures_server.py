@@ -149,3 +149,60 @@ def client(tiny_server):
     import openai
 
     return openai.AsyncOpenAI(base_url=tiny_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+CLIENT_KEEP_ALIVE_S = 5.0  # httpx's default keepalive_expiry, which the openai client keeps
+
+
+class HeldConnection:
+    """One raw keep-alive connection to a server: `get(path)` sends a request on it and reads the answer;
+    `closed_by_server()` says whether the server has closed it (a FIN waiting to be read)."""
+
+    def __init__(self, url: str):
+        import socket
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+
+    def get(self, path: str) -> bytes:
+        """The status line of the answer to GET `path` (its body read and dropped)."""
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = self.sock.recv(65536)
+            assert chunk, "the server closed the connection instead of answering"
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
+            b"content-length:")))
+        while len(body) < length:
+            body += self.sock.recv(65536)
+        return head.split(b"\r\n")[0]
+
+    def closed_by_server(self) -> bool:
+        import socket
+
+        self.sock.setblocking(False)
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        finally:
+            self.sock.setblocking(True)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def assert_keeps_idle_connections(url: str, idle_s: float = CLIENT_KEEP_ALIVE_S + 0.5) -> None:
+    """A connection left idle for longer than clients keep theirs is still open and answers: a server that closes
+    first races a client reusing the connection at that moment (its request is answered by a reset)."""
+    conn = HeldConnection(url)
+    try:
+        assert conn.get("/health") == b"HTTP/1.1 200 OK"
+        time.sleep(idle_s)
+        assert not conn.closed_by_server(), f"the server closed a connection idle for {idle_s} s"
+        assert conn.get("/health") == b"HTTP/1.1 200 OK"
+    finally:
+        conn.close()

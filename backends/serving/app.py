@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -32,16 +31,19 @@ import time
 from dataclasses import dataclass
 
 import fastapi
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.inference.adapters import AdapterError, UnknownModel
 from backends.inference.engine import Engine, EngineConfig, EngineStopped, RequestError
 from backends.serving import completions as text_completions
 from backends.serving.adapter_sources import AdapterSources
-from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params, stream_chunks
+from backends.serving.chat import parse_request, render_prompt, response_json, sampling_params, stream_chunks
 from backends.serving.exposure import check_exposure
-from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES, BadBody, BodyTooLarge, read_json
+from backends.serving.request_bodies import (DEFAULT_MAX_BODY_BYTES, BadBody, BodyTooLarge, parse_json, read_body,
+                                             read_json)
+from backends.serving.response_bytes import json_bytes, sse_bytes
+from backends.serving.token_text import TokenText
 from backends.serving.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 OPEN_PATHS = ("/health",)
+
+
+async def _once(body: bytes):
+    yield body
+
+
+def _json_object(raw: bytes) -> dict:
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -111,8 +124,9 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
     app = fastapi.FastAPI(title="trajflow embedded inference", docs_url=None, redoc_url=None, openapi_url=None)
     if api_key:
         app.add_middleware(KeyCheck, api_key=api_key)
-    names = TokenText(engine.tokenizer)
+    names = TokenText(engine.tokenizer, engine.vocab)
     pool = app.state.tokenizers = TokenizerPool(engine.tokenizer)
+    pool.executor.submit(names.warm)  # every id's text decoded once, before the first responses need them
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
@@ -180,20 +194,12 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
                                        f"{', '.join(e.available)}")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    def _streamed(chunks: list[dict]) -> StreamingResponse:
-        def events():
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def _answer(request: fastapi.Request, work, chunker):
-        """Run `work(body)` -> (request, response JSON) with the dialect's error mapping, cancelled when the client
-        disconnects; stream if asked."""
+    async def _answer(request: fastapi.Request, work):
+        """Read the body, then run `work(raw body)` -> (request, encoded answer) with the dialect's error mapping,
+        cancelled when the client disconnects; stream if asked."""
         try:
-            body = await _object(request)
-            req, response = await until_disconnect(request, work(body))
+            raw = await read_body(request, max_body_bytes)
+            req, body = await until_disconnect(request, work(raw))
         except BodyTooLarge as e:
             return error_response(413, str(e))
         except (BadBody, RequestError) as e:
@@ -206,26 +212,38 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
             log.info("%s %s: the client disconnected; its request was cancelled", request.method, request.url.path)
             return error_response(499, "the client disconnected")
         if not req.stream:
-            return JSONResponse(response)
-        return _streamed(chunker(response, bool((req.stream_options or {}).get("include_usage"))))
+            return Response(body, media_type="application/json")
+        return StreamingResponse(_once(body), media_type="text/event-stream")
 
-    def _chat_prompt(tokenizer, body):
-        req = parse_request(body)
+    def _encoded(req, response: dict, chunker) -> bytes:
+        if not req.stream:
+            return json_bytes(response)
+        return sse_bytes(chunker(response, bool((req.stream_options or {}).get("include_usage"))))
+
+    def _chat_prompt(tokenizer, raw: bytes):
+        req = parse_request(_json_object(raw))
         engine.adapters.resolve(req.model)  # 404 before the template work
         return req, render_prompt(tokenizer, req)
 
-    async def _chat(body):
-        req, prompt = await pool.run(_chat_prompt, body)
-        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
-        return req, await pool.run(lambda _tok: response_json(req, prompt, completions, names))
+    def _chat_answer(_tokenizer, req, prompt, completions) -> bytes:
+        return _encoded(req, response_json(req, prompt, completions, names), stream_chunks)
 
-    def _completion_prompts(tokenizer, body):
-        req = text_completions.parse_completion_request(body)
+    async def _chat(raw: bytes):
+        req, prompt = await pool.run(_chat_prompt, raw)
+        completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
+        return req, await pool.run(_chat_answer, req, prompt, completions)
+
+    def _completion_prompts(tokenizer, raw: bytes):
+        req = text_completions.parse_completion_request(_json_object(raw))
         engine.adapters.resolve(req.model)
         return req, text_completions.completion_prompts(tokenizer, req, engine.vocab)
 
-    async def _complete(body):
-        req, prompts = await pool.run(_completion_prompts, body)
+    def _completion_answer(_tokenizer, req, prompts, results) -> bytes:
+        response = text_completions.response_json(req, prompts, results, names)
+        return _encoded(req, response, text_completions.stream_chunks)
+
+    async def _complete(raw: bytes):
+        req, prompts = await pool.run(_completion_prompts, raw)
         params = req.sampling_params()
         jobs = [asyncio.ensure_future(engine.generate(p, params, req.model, req.n)) for p in prompts]
         try:
@@ -234,15 +252,15 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
             for job in jobs:  # one prompt failed (or the client left): abort the others rather than compute them
                 job.cancel()
             raise
-        return req, await pool.run(lambda _tok: text_completions.response_json(req, prompts, results, names))
+        return req, await pool.run(_completion_answer, req, prompts, results)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request):
-        return await _answer(request, _chat, stream_chunks)
+        return await _answer(request, _chat)
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):
-        return await _answer(request, _complete, text_completions.stream_chunks)
+        return await _answer(request, _complete)
 
     return app
 
@@ -276,6 +294,24 @@ class ServerHandle:
         self.stop()
 
 
+KEEP_ALIVE_S = 75
+
+
+def server_config(app, log_level: str, access_log: bool = True):
+    """uvicorn's settings for the embedded server (`trajflow serve` and `start_server` alike).
+
+    An idle keep-alive connection is kept `KEEP_ALIVE_S` seconds (uvicorn's default is 5): longer than clients keep
+    theirs (httpx and the openai client: 5 s), so the client always closes first. A server that closes first races
+    a client that reuses the connection at that moment; the request meets a closed socket and the client gets a
+    reset (``httpx.ReadError``). A busy client (256 concurrent requests, its loop seconds behind) reads answers late
+    and so reuses connections that the server has seen idle for 5 s: that was the ReadError at c=256
+    (`benchmarks/results/serving-overhead-cpu.md`)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="off",
+                          timeout_keep_alive=KEEP_ALIVE_S)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port): connections made before uvicorn runs wait in the backlog rather than
     being refused, so a client may connect as soon as the address is printed."""
@@ -307,7 +343,7 @@ def start_server(model: str, host: str = "127.0.0.1", port: int = 0, api_key: st
     app = create_app(engine, api_key, sources, max_body_bytes)
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    server = uvicorn.Server(server_config(app, "warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound_port}"

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError, SamplingParams
 from backends.modeling.chat_render import ChatRenderError, render_chat, tool_names
+from backends.serving.response_bytes import check_finite
+from backends.serving.token_text import TokenText
 from backends.serving.tool_calls import parse_tool_calls
 
 
@@ -163,30 +165,19 @@ def render_prompt(tokenizer, req: ChatRequest) -> list[int]:
         raise RequestError(str(e)) from None
 
 
-class TokenText:
-    """Token id -> its text (and bytes), memoised; `as_ids` gives vLLM's "token_id:<id>" form."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._memo: dict[int, str] = {}
-
-    def __call__(self, token: int, as_ids: bool = False) -> dict:
-        if as_ids:
-            text = f"token_id:{token}"
-        else:
-            text = self._memo.get(token)
-            if text is None:
-                text = self._memo[token] = self.tokenizer.decode([token])
-        return {"token": text, "bytes": list(text.encode("utf-8"))}
-
-
 def _logprobs_json(c: Completion, names: TokenText, as_ids: bool) -> dict:
+    check_finite(c.logprobs, "logprob")
     content = []
+    tops_of = c.top_logprobs
     for j, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
         tops = []
-        if c.top_logprobs is not None:
-            tops = [{**names(t, as_ids), "logprob": v} for t, v in c.top_logprobs[j]]
-        content.append({**names(tok, as_ids), "logprob": lp, "top_logprobs": tops})
+        if tops_of is not None:
+            check_finite([v for _, v in tops_of[j]], "top logprob")
+            for t, v in tops_of[j]:
+                label, raw = names.entry(t, as_ids)
+                tops.append({"token": label, "bytes": raw, "logprob": v})
+        label, raw = names.entry(tok, as_ids)
+        content.append({"token": label, "bytes": raw, "logprob": lp, "top_logprobs": tops})
     return {"content": content}
 
 

@@ -121,10 +121,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"trajflow serve: {e}", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from backends.inference.engine import Engine
-    from backends.serving.app import bind_socket, create_app
+    from backends.serving.app import bind_socket, create_app, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -142,7 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     app = create_app(engine, api_key, sources, int(args.max_body_mb * 2**20))
-    server = _server_class()(uvicorn.Config(app, log_level="info", lifespan="off"))
+    server = _server_class()(server_config(app, "info"))
     try:
         server.run(sockets=[sock])
     finally:

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import secrets
 import time
+from itertools import accumulate
 from typing import Any
 
 from pydantic import Field
 
 from backends.inference.engine import MAX_TOP_LOGPROBS, Completion, RequestError, SamplingParams
-from backends.serving.chat import SamplingFields, TokenText, validate_body
+from backends.serving.chat import SamplingFields, validate_body
+from backends.serving.response_bytes import check_finite
+from backends.serving.token_text import TokenText
 
 
 class CompletionRequest(SamplingFields):
@@ -88,16 +91,20 @@ def completion_prompts(tokenizer, req: CompletionRequest, vocab: int) -> list[li
 
 
 def _logprobs_json(c: Completion, names: TokenText, k: int, as_ids: bool) -> dict:
-    tokens, offsets, tops, offset = [], [], [], 0
-    for j, tok in enumerate(c.token_ids):
-        text = names(tok, as_ids)["token"]
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(names(tok)["token"])
-        top = {text: c.logprobs[j]}
-        for alt, value in (c.top_logprobs[j] if c.top_logprobs is not None else [])[:k]:
-            top.setdefault(names(alt, as_ids)["token"], value)
-        tops.append(top)
+    check_finite(c.logprobs, "logprob")
+    texts = [names.text(tok) for tok in c.token_ids]
+    tokens = [f"token_id:{tok}" for tok in c.token_ids] if as_ids else texts
+    offsets = list(accumulate(map(len, texts), initial=0))[:-1]
+    if c.top_logprobs is None or k == 0:
+        tops = [{label: lp} for label, lp in zip(tokens, c.logprobs)]
+    else:
+        tops = []
+        for label, lp, alts in zip(tokens, c.logprobs, c.top_logprobs):
+            check_finite([v for _, v in alts[:k]], "top logprob")
+            top = {label: lp}
+            for alt, value in alts[:k]:
+                top.setdefault(names.label(alt, as_ids), value)
+            tops.append(top)
     return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from backends.inference.adapters import UnknownModel
 from backends.inference.engine import Engine, RequestError
-from backends.serving.chat import TokenText, parse_request, render_prompt, response_json, sampling_params
+from backends.serving.chat import parse_request, render_prompt, response_json, sampling_params
+from backends.serving.token_text import TokenText
 
 
 def _status_error(status: int, message: str):
@@ -43,7 +44,7 @@ def _status_error(status: int, message: str):
 class _Completions:
     def __init__(self, engine: Engine):
         self._engine = engine
-        self._names = TokenText(engine.tokenizer)
+        self._names = TokenText(engine.tokenizer, engine.vocab)
 
     async def create(self, **kwargs: Any):
         """One chat completion (``stream`` is refused); returns ``openai.types.chat.ChatCompletion``."""

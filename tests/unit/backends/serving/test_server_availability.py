@@ -1,5 +1,6 @@
 """One client cannot take the embedded server from the others: a request being prepared does not hold up /health,
-bodies are capped, and a client that disconnects has its generation cancelled in the engine."""
+bodies are capped, a client that disconnects has its generation cancelled in the engine, and idle connections stay
+open longer than clients keep them (else a busy client's reused connection is reset: c=256's httpx.ReadError)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 import backends.serving.app as app_module
-from tests.fixtures_server import API_KEY, wait_until
+from tests.fixtures_server import API_KEY, assert_keeps_idle_connections, wait_until
 from tests.unit.backends.serving.test_server import MESSAGES
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -87,3 +88,7 @@ async def test_a_client_that_disconnects_has_its_generation_cancelled(tiny_serve
     await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "the engine to drop them")
     generated = engine.stats["generated_tokens"] - before
     assert generated < n * max_tokens / 2, f"{generated} of {n * max_tokens} tokens were generated"
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(tiny_server):
+    assert_keeps_idle_connections(tiny_server.url)

@@ -13,6 +13,7 @@ import time
 import openai
 import pytest
 
+from tests.fixtures_server import assert_keeps_idle_connections
 from tests.paths import REPO
 
 RUN_SERVE = ("import argparse, sys; from backends.serving.cli import register; p = argparse.ArgumentParser(); "
@@ -93,6 +94,7 @@ def test_serve_answers_openai_and_stops_on_sigterm(tiny_model_path):
             m = re.search(r"at (http://\S+/v1)", line)
             url = m.group(1) if m else None
         assert url, "".join(lines)
+        assert_keeps_idle_connections(url.removesuffix("/v1"))
         # the socket listens before the address is printed: the connection waits in its backlog for uvicorn
         client = openai.OpenAI(base_url=url, api_key="cli-key", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True,
