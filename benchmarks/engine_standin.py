@@ -80,6 +80,9 @@ class StandInRunner:
     def __init__(self, timing: StandInTiming, counters: StandInCounters, first_token_width: int):
         self.timing, self.counters, self.width = timing, counters, first_token_width
 
+    def warm_up(self) -> float:
+        return 0.0
+
     def prefill(self, tokens, lengths, slots, lora_rows, lora_slots):
         padded = tokens.shape[0] * tokens.shape[1]
         seconds = self.timing.prefill_ms(padded) / 1000

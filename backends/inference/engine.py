@@ -362,6 +362,7 @@ class Engine:
                     stopping = self._stopping
                 if stopping:
                     self._fail_all(EngineStopped("the engine shut down"), items)
+                    self._handoff.wake()
                     return
                 self._take(items)
                 admitted: list[_Request] = []
@@ -374,6 +375,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the engine
                     log.exception("engine step failed")
                     self._fail_running(e)
+                self._handoff.wake()  # what finished in this iteration reaches each event loop in one wake-up
                 if not admitted and not self._running and self._waiting:
                     with self._cv:  # waiting requests that cannot be admitted yet: do not spin
                         self._cv.wait(0.01)

@@ -1,10 +1,10 @@
-"""Results handed from the engine thread to the event loops awaiting them: one wake-up of a loop per batch.
+"""Results handed from the engine thread to the event loops awaiting them: one wake-up of a loop per engine step.
 
 An engine step finishes many requests at once (at 64 concurrent requests of equal length, all of them). Handing
-each result over with its own ``call_soon_threadsafe`` wakes the loop once per request (a write to its wake-up pipe
-each, and as many loop iterations); here the results for one loop go into that loop's inbox, and only the first
-result of a batch schedules a drain, which settles every future in the inbox in one callback. The engine thread
-holds the GIL while it finishes a step's requests, so a step's results land in one batch.
+each result over with its own ``call_soon_threadsafe`` wakes the loop once per request: a write to its wake-up pipe
+each (a system call that lets the loop take the GIL between two results), and as many loop iterations. Here a result
+only goes into its loop's inbox; at the end of each iteration the engine thread calls `LoopHandoff.wake`, which
+schedules one drain per loop with results waiting, and the drain settles them all in one callback.
 """
 
 from __future__ import annotations
@@ -20,13 +20,18 @@ class _Inbox:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # weak: this inbox is the value of a WeakKeyDictionary keyed by the loop
         self._items: list[tuple[asyncio.Future, Any]] = []
+        self._scheduled = False
         self._lock = threading.Lock()
 
     def put(self, fut: asyncio.Future, result: Any) -> None:
         with self._lock:
             self._items.append((fut, result))
-            if len(self._items) > 1:
-                return  # the drain scheduled by the first one will take it
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._items or self._scheduled:
+                return
+            self._scheduled = True
         loop = self._loop()
         try:
             if loop is None:
@@ -35,10 +40,11 @@ class _Inbox:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             with self._lock:
                 self._items.clear()
+                self._scheduled = False
 
     def _drain(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
+            items, self._items, self._scheduled = self._items, [], False
         for fut, result in items:
             if fut.done():  # cancelled meanwhile
                 continue
@@ -49,7 +55,8 @@ class _Inbox:
 
 
 class LoopHandoff:
-    """`future()` -> (a future of the running loop, the callback that settles it from any thread)."""
+    """`future()` -> (a future of the running loop, the callback that hands it its result from the engine thread);
+    the engine thread calls `wake()` after each iteration to deliver what was handed."""
 
     def __init__(self):
         self._inboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -63,3 +70,9 @@ class LoopHandoff:
                 inbox = self._inboxes[loop] = _Inbox(loop)
         fut = loop.create_future()
         return fut, lambda result: inbox.put(fut, result)
+
+    def wake(self) -> None:
+        with self._lock:
+            inboxes = list(self._inboxes.values())
+        for inbox in inboxes:
+            inbox.wake()

@@ -33,8 +33,12 @@ async def test_requests_finishing_in_one_step_wake_the_loop_once(engine, monkeyp
     wake_ups = CountingWakeUps(loop)
     monkeypatch.setattr(loop, "call_soon_threadsafe", wake_ups)
     params = SamplingParams(max_tokens=6, ignore_eos=True, seed=1)
-    # 12 requests of the same length, submitted together: admitted by one prefill, finished by one decode step
-    results = await asyncio.gather(*[engine.generate([5 + i, 6, 7], params) for i in range(12)])
+    # 12 requests of the same length, all queued before the engine thread looks (its condition's lock is reentrant:
+    # this thread's submits go through while the engine thread waits): one prefill admits them, one step ends them
+    with engine._cv:
+        jobs = [asyncio.ensure_future(engine.generate([5 + i, 6, 7], params)) for i in range(12)]
+        await asyncio.sleep(0)  # each job runs up to its submit
+    results = await asyncio.gather(*jobs)
     assert [len(r[0].token_ids) for r in results] == [6] * 12
     assert wake_ups.count <= 2, f"{wake_ups.count} wake-ups for 12 requests finishing together"
 
