@@ -255,15 +255,30 @@ async def one_request(http, body: dict, expected: int) -> tuple[float, float | N
     return latency, ttft, sum(lengths)
 
 
+WORKERS_PER_POOL = 16
+
+
 async def closed_loop(base_url: str, load: Load, phase: str, total: int, vocab: int, seeded: bool, stream: bool):
-    """`load.concurrency` workers sending `total` requests; (latencies, ttfts, tokens, wall s)."""
+    """`load.concurrency` workers sending `total` requests; (latencies, ttfts, tokens, wall s).
+
+    Every `WORKERS_PER_POOL` workers share one ``httpx.AsyncClient`` (one connection each): httpx's pool scans all
+    its connections for every request it sends and every answer it closes, so one pool for 256 workers spent ~90% of
+    this process's CPU in the scans (py-spy), its event loop fell seconds behind, and the client, not the server,
+    set the c=256 figure (`benchmarks/results/serving-overhead-cpu.md`)."""
+    import contextlib
+
     import httpx
 
     queue = list(range(total))
     latencies, ttfts, tokens = [], [], 0
-    limits = httpx.Limits(max_connections=load.concurrency + 8, max_keepalive_connections=load.concurrency + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(900.0), limits=limits) as http:
-        async def worker():
+    workers = min(load.concurrency, total)
+    limits = httpx.Limits(max_connections=WORKERS_PER_POOL, max_keepalive_connections=WORKERS_PER_POOL)
+    async with contextlib.AsyncExitStack() as stack:
+        pools = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=base_url, timeout=httpx.Timeout(900.0), limits=limits))
+            for _ in range(-(-workers // WORKERS_PER_POOL))]
+
+        async def worker(http):
             nonlocal tokens
             while queue:
                 i = queue.pop(0)
@@ -275,7 +290,7 @@ async def closed_loop(base_url: str, load: Load, phase: str, total: int, vocab: 
                     ttfts.append(ttft)
 
         start = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(min(load.concurrency, total))])
+        await asyncio.gather(*[worker(pools[w // WORKERS_PER_POOL]) for w in range(workers)])
         return latencies, ttfts, tokens, time.perf_counter() - start
 
 

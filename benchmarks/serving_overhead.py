@@ -130,9 +130,11 @@ def derived(before: dict, after: dict, tokens: int, requests: int, wall: float, 
 class Profiler:
     """py-spy (all threads, raw collapsed stacks) on a process for the duration of a `with` block."""
 
-    def __init__(self, py_spy: str | None, pid: int, out: Path | None):
+    def __init__(self, py_spy: str | None, pid: int, out: Path | None, gil: bool = False):
         self.cmd = None if not (py_spy and out) else [py_spy, "record", "--pid", str(pid), "--threads", "--rate",
                                                        "250", "--format", "raw", "--output", str(out)]
+        if self.cmd and gil:
+            self.cmd.append("--gil")  # only the samples of the thread holding the GIL
 
     def __enter__(self):
         self.process = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) \
@@ -287,6 +289,7 @@ def main(argv=None) -> int:
                                                                       "own (5 was uvicorn's default)")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: profile the server during each timed pass")
     ap.add_argument("--profile-client", action="store_true", help="with --py-spy: profile this process instead")
+    ap.add_argument("--profile-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
     for name, value in asdict(StandInTiming()).items():
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=value)
     args = ap.parse_args(argv)
@@ -338,7 +341,7 @@ def main(argv=None) -> int:
             try:
                 pid = os.getpid() if args.profile_client else server.process.pid
                 stacks = args.out.parent / f"{args.out.stem}-{load.name}-{'client' if args.profile_client else 'server'}.txt"
-                row["http"] = asyncio.run(http_pass(server.url, load, vocab, timing, Profiler(args.py_spy, pid, stacks)))
+                row["http"] = asyncio.run(http_pass(server.url, load, vocab, timing, Profiler(args.py_spy, pid, stacks, args.profile_gil)))
             except Exception as e:  # noqa: BLE001 - record it (the c=256 ReadError is a finding), go on
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 row["server_log_tail"] = log_tail(server.log, 20)

@@ -1,4 +1,5 @@
-"""Results reach the event loop in batches: requests that finish in the same engine step wake their loop once."""
+"""How the engine thread hands back results and the GIL: requests finishing in one engine step wake their loop once,
+and the engine lowers the interpreter's switch interval so it gets the GIL back soon after each device wait."""
 
 from __future__ import annotations
 
@@ -56,3 +57,12 @@ async def test_each_loop_gets_its_own_results(engine):
     a, b = await asyncio.gather(asyncio.to_thread(run_in_own_loop, 10), asyncio.to_thread(run_in_own_loop, 30))
     solo = await engine.generate([10, 9], params)
     assert len(a) == len(b) == 4 and a[0][0].token_ids == solo[0].token_ids
+
+
+def test_an_engine_lowers_the_interpreters_switch_interval(engine):
+    """The engine thread gets the GIL back within SWITCH_INTERVAL_S after each device wait, not 5 ms later."""
+    import sys
+
+    from backends.inference.engine import SWITCH_INTERVAL_S
+
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
