@@ -56,6 +56,26 @@ def process_cpu() -> float:
     return t.user + t.system
 
 
+class GcClock:
+    """Collections and seconds spent in the cyclic garbage collector, per generation (`gc.callbacks`)."""
+
+    def __init__(self):
+        import gc
+
+        self.counts, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+
+    def snapshot(self) -> dict:
+        return {"collections": list(self.counts), "seconds": [round(x, 4) for x in self.seconds]}
+
+
 class LagProbe:
     """Wakes every LAG_TICK_S on the event loop and records how late each wake-up is."""
 
@@ -98,7 +118,7 @@ def instrument(timing: StandInTiming, keep_alive_s: float | None = None) -> None
 
     def create_app(engine, *args, **kwargs):
         app = original_create(engine, *args, **kwargs)
-        probe = LagProbe()
+        probe, gc_clock = LagProbe(), GcClock()
 
         async def stats():
             probe.ensure_running()
@@ -106,7 +126,7 @@ def instrument(timing: StandInTiming, keep_alive_s: float | None = None) -> None
             with counters.lock:
                 standin = counters.snapshot()
             return {"threads_cpu_s": thread_cpu(), "process_cpu_s": process_cpu(), "wall": time.perf_counter(),
-                    "lag": probe.summary(), "engine": dict(engine.stats), "standin": standin,
+                    "lag": probe.summary(), "gc": gc_clock.snapshot(), "engine": dict(engine.stats), "standin": standin,
                     "timing": engine.standin["timing"], "token_ids": engine.standin["token_ids"],
                     "switch_interval_s": sys.getswitchinterval(), "loop": type(asyncio.get_running_loop()).__module__}
 

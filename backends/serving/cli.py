@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     from backends.inference.engine import Engine
-    from backends.serving.app import bind_socket, create_app, server_config
+    from backends.serving.app import bind_socket, create_app, freeze_heap, server_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -140,6 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"trajflow serve: {engine.name} at http://{host}:{port}/v1 (max_seq_len {engine.max_seq_len}, "
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     app = create_app(engine, api_key, sources, int(args.max_body_mb * 2**20))
+    freeze_heap()
     server = _server_class()(server_config(app, "info"))
     try:
         server.run(sockets=[sock])

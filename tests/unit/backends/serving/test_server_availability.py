@@ -92,3 +92,11 @@ async def test_a_client_that_disconnects_has_its_generation_cancelled(tiny_serve
 
 def test_an_idle_connection_outlives_the_clients_keep_alive(tiny_server):
     assert_keeps_idle_connections(tiny_server.url)
+
+
+def test_a_started_server_has_its_heap_frozen(tiny_server):
+    """A full garbage collection skips what existed when the server started (the model, the libraries): it would
+    otherwise stop every thread, the engine's included, for a walk over all of it."""
+    import gc
+
+    assert gc.get_freeze_count() > 10_000
