@@ -31,6 +31,11 @@ What is measured, and how:
 
 GPU (vLLM importable; see README, "GPU machines"):
     python benchmarks/inference_vllm.py --out benchmarks/results/inference-vllm-h200.json
+GPU, the embedded server alone (c = 1/8/64/256, the GRPO load, the decode step; writes OUT.json and OUT.md, the
+server's log in --logs), with the flow's wheels (benchmarks/gpu/wheels-flow.txt: fastapi, uvicorn, orjson) on
+PYTHONPATH:
+    python benchmarks/inference_vllm.py --systems embedded --budget-s 400 --out $OUT/inference-embedded-h200.json \
+        --logs $OUT
 CPU check without vLLM (embedded server only, tiny model, a few requests):
     python benchmarks/inference_vllm.py --smoke
 """

@@ -85,11 +85,14 @@ def build_folder(root: Path, tokenizer: str) -> tuple[Path, Path, dict]:
     return folder, adapter, {"tokenizer": tokenizer, "tokenizer_vocab": len(tok), "lora_rank": 16}
 
 
-def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: float | None = None) -> EmbeddedServer:
+def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: float | None = None,
+                 http: str | None = None) -> EmbeddedServer:
     """`benchmarks/standin_server.py` (i.e. `trajflow serve` over the stand-in) in a subprocess."""
     extra = [x for k, v in asdict(timing).items() for x in ("--" + k.replace("_", "-"), str(v))]
     if keep_alive_s is not None:
         extra += ["--keep-alive-s", str(keep_alive_s)]
+    if http is not None:
+        extra += ["--http", http]
     return EmbeddedServer(folder, "cpu", MAX_BATCH, MAX_SEQ_LEN, log,
                           launcher=("-m", "benchmarks.standin_server", *extra, "--"))
 
@@ -213,6 +216,14 @@ def exception_chain(e: BaseException) -> list[BaseException]:
 
 
 def markdown(report: dict) -> str:
+    text = _markdown(report)
+    if report.get("baseline"):
+        base = {**report["baseline"], "config": report["config"], "versions": report["versions"], "notes": []}
+        text += "\n## Baseline: " + base["label"] + "\n\n" + _markdown(base).split("\n", 2)[2]
+    return text
+
+
+def _markdown(report: dict) -> str:
     t = report["config"]["timing"]
     lines = [f"# Embedded server overhead on the CPU (engine stand-in): {report['label']}", "",
              f"`{report['command']}`  ", f"{report['date']}; " + ", ".join(f"{k} {v}" for k, v in
@@ -273,6 +284,16 @@ def summary(rows: list[dict]) -> dict:
     return s
 
 
+def compare(before: dict, after: dict) -> dict:
+    """This run's summary with the baseline's beside it (`before_<key>`) and after/before ratios of tok/s."""
+    out = dict(after)
+    for key, value in before.items():
+        out[f"before_{key}"] = value
+        if key.startswith("http_tok_s_") and value and after.get(key):
+            out[f"after_over_before_{key.removeprefix('http_tok_s_')}"] = round(after[key] / value, 3)
+    return out
+
+
 def repeats_summary(repeats: list[dict]) -> dict:
     return {"c256x1024_runs": len(repeats), "c256x1024_failed": sum(not r["ok"] for r in repeats)}
 
@@ -289,6 +310,10 @@ def main(argv=None) -> int:
                                                                   "and record every failure (the ReadError)")
     ap.add_argument("--keep-alive-s", type=float, default=None, help="the server's keep-alive timeout instead of its "
                                                                       "own (5 was uvicorn's default)")
+    ap.add_argument("--http", choices=("h11", "httptools"), default=None, help="uvicorn's HTTP parser in the server "
+                                                                                "(default: httptools when installed)")
+    ap.add_argument("--baseline", type=Path, default=None, help="a run of this script on other code (e.g. main): its "
+                                                                 "table and summary are shown beside this run's")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: profile the server during each timed pass")
     ap.add_argument("--profile-client", action="store_true", help="with --py-spy: profile this process instead")
     ap.add_argument("--profile-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
@@ -323,14 +348,21 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - not installed
             report["versions"][name] = None
 
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    if baseline:
+        report["baseline"] = {k: baseline[k] for k in ("label", "command", "date", "summary", "results",
+                                                       "c256_repeats", "hardware") if k in baseline}
+
     def write() -> None:
         report["summary"] = {**summary(rows), **repeats_summary(report.get("c256_repeats") or [])}
+        if baseline:
+            report["summary"] = compare(baseline["summary"], report["summary"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(report))
 
-    server = start_server(folder, timing, work / "server.log", args.keep_alive_s)
-    report["config"]["keep_alive_s"] = args.keep_alive_s
+    server = start_server(folder, timing, work / "server.log", args.keep_alive_s, args.http)
+    report["config"]["keep_alive_s"], report["config"]["http"] = args.keep_alive_s, args.http
     report["config"]["server_command"] = server.command
     try:
         server.wait_healthy(300)

@@ -102,9 +102,9 @@ class LagProbe:
                 "p99_ms": pick(0.99), "max_ms": round(1000 * v[-1], 3), "over_10ms": sum(x > 0.010 for x in v)}
 
 
-def instrument(timing: StandInTiming, keep_alive_s: float | None = None) -> None:
+def instrument(timing: StandInTiming, keep_alive_s: float | None = None, http: str | None = None) -> None:
     """Patch `Engine.from_pretrained` (stand-in) and `create_app` (probe routes) before `trajflow serve` runs;
-    `keep_alive_s` replaces the server's keep-alive timeout (to show what it does)."""
+    `keep_alive_s` replaces the server's keep-alive timeout, `http` uvicorn's HTTP parser (to show what they do)."""
 
     from backends.inference.engine import Engine
     from backends.serving import app as app_module
@@ -146,6 +146,15 @@ def instrument(timing: StandInTiming, keep_alive_s: float | None = None) -> None
     app_module.create_app = create_app
     if keep_alive_s is not None:
         app_module.KEEP_ALIVE_S = keep_alive_s
+    if http is not None:
+        original_config = app_module.server_config
+
+        def server_config(*args, **kwargs):
+            config = original_config(*args, **kwargs)
+            config.http = http  # "h11": what uvicorn runs where httptools is not installed
+            return config
+
+        app_module.server_config = server_config
 
 
 def main(argv=None) -> int:
@@ -154,10 +163,12 @@ def main(argv=None) -> int:
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=value)
     ap.add_argument("--keep-alive-s", type=float, default=None, help="the server's keep-alive timeout instead of "
                                                                       "its own")
+    ap.add_argument("--http", choices=("h11", "httptools"), default=None, help="uvicorn's HTTP parser (default: "
+                                                                                "httptools when installed)")
     ap.add_argument("serve_argv", nargs=argparse.REMAINDER, help="-- serve --model FOLDER ...")
     args = ap.parse_args(argv)
     rest = args.serve_argv[1:] if args.serve_argv[:1] == ["--"] else args.serve_argv
-    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}), args.keep_alive_s)
+    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}), args.keep_alive_s, args.http)
     from flows.cli import main as cli_main
 
     return cli_main(rest)
