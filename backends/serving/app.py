@@ -10,8 +10,9 @@ names that exist), 413 for a body over the size cap (`request_bodies`), 500 for 
 
 - **Key.** With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (vLLM's
   rule: a load balancer's health check carries no key, and the answer tells nothing).
-- **The event loop only waits.** Bodies are parsed, validated, templated and tokenized, and responses built, on
-  worker threads (`request_bodies`, `tokenizer_pool`), so no request can hold up another or ``/health``.
+- **The event loop only waits.** Bodies are parsed, validated, templated and tokenized in one worker job, and
+  responses built and encoded to bytes in another (`request_bodies`, `tokenizer_pool`, `response_bytes`), so no
+  request can hold up another or ``/health``.
 - **A client that goes away cancels its request.** While a completion runs, the handler also listens for the
   client's disconnect; when it comes first, the request's sequences are aborted in the engine (streamed or not:
   a stream is sent once the completion is done).
