@@ -4,16 +4,13 @@ import pytest
 import torch
 
 from backends.modeling.intra_op_threads import single_thread_on_cpu
+from tests.fixtures_trainer import torch_threads
 
 
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_probe_passes_run_on_one_thread_and_restore_the_setting(tiny_model_path, two_threads):
