@@ -169,11 +169,11 @@ def policy_client(base_url: str | list[str], api_key: str | None = None, timeout
                   max_retries: int = 2, max_connections: int = 1024) -> AsyncOpenAI:
     """An AsyncOpenAI for a policy server (embedded or vLLM) with the transport above; given several base URLs
     (inference replicas), requests are spread over them by ``agents/replica_router.py``."""
+    from agents.aiohttp_transport import AiohttpTransport
     from agents.replica_router import ReplicaRouter
 
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    inner: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits, verify=shared_ssl_context())
+    inner: httpx.AsyncBaseTransport = AiohttpTransport(max_connections, shared_ssl_context())
     if len(urls) > 1:
         inner = ReplicaRouter(urls, inner, rollout=current_rollout)
     http_client = httpx.AsyncClient(transport=PolicyTransport(inner), timeout=timeout,

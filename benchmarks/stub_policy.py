@@ -21,6 +21,7 @@ class StubPolicyServer:
 
         self.answer, self.tokens = answer, tokens
         self.requests = 0
+        self.clients: set[tuple] = set()  # the (host, port) of every connection a chat completion came on
         self.adapters: set[str] = set()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -70,6 +71,8 @@ class StubPolicyServer:
     async def _app(self, scope, receive, send):
         if scope["type"] != "http":
             return
+        if scope["path"].endswith("/chat/completions"):
+            self.clients.add(tuple(scope.get("client") or ()))
         raw = b""
         while True:
             message = await receive()

@@ -27,6 +27,7 @@ from tasks.rollouts import run_groups
 from tasks.run_config import RunConfig
 from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
+from tasks.support.progress import flush_progress
 from tasks.support.reporting import chart_png, png_markdown
 from tasks.support.runtime import close_runtime, get_runtime
 
@@ -111,6 +112,7 @@ def evaluate(config: RunConfig, policies: list[str]) -> list[dict[str, Any]]:
             pass
         return results
     finally:
+        flush_progress()  # the progress artifacts still queued reach the API before the flow run ends
         close_runtime(config)
 
 

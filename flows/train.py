@@ -54,6 +54,7 @@ from tasks.support.crash_points import crash_point
 from tasks.support.placement import describe as describe_placement
 from tasks.support.placement import visible_gpus
 from tasks.support.preemption import graceful_sigterm, stop_if_requested
+from tasks.support.progress import flush_progress
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
@@ -116,6 +117,7 @@ def train(config: RunConfig) -> dict[str, Any]:
         with graceful_sigterm():
             return _train_steps(config, store, lease, with_run_storage, flow_run_url)
     finally:
+        flush_progress()  # the progress artifacts still queued reach the API before the flow run ends
         lease.release()
         close_runtime(config)
 

@@ -8,7 +8,6 @@ judge is not used: validation compares policies on the agent's verifiable reward
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from prefect import task
@@ -20,6 +19,7 @@ from tasks.scenarios import val_scenarios
 from tasks.scoring import score_groups_fn
 from tasks.support.cache_keys import cache_key_fn
 from tasks.support.retry_policy import retry_condition
+from tasks.support.shared_loop import run_on_shared_loop
 
 
 def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) -> dict[str, float]:
@@ -27,8 +27,9 @@ def evaluate_policy_fn(config: RunConfig, step: int, policy: str | None = None) 
     policy_step = step if policy is None else None
     policy = policy or config.policy(step)
     scenarios = val_scenarios(config)
-    rollouts = asyncio.run(run_groups(config, 0, scenarios, policy, EVAL_GROUPS_DIR, 1,
-                                      f"eval step {step} ({policy})", storage_step=step, policy_step=policy_step))
+    rollouts = run_on_shared_loop(run_groups(config, 0, scenarios, policy, EVAL_GROUPS_DIR, 1,
+                                             f"eval step {step} ({policy})", storage_step=step,
+                                             policy_step=policy_step))
     scored = score_groups_fn(config, step, scenarios, rollouts, out=EVAL_SCORED, prefix="val", use_judge=False)
     return scored["metrics"]
 

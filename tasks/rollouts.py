@@ -41,6 +41,7 @@ from tasks.support.preemption import preemption_requested, stop_if_requested
 from tasks.support.progress import Progress
 from tasks.support.retry_policy import TransientError, is_transient_type_name, retry_condition
 from tasks.support.runtime import Runtime, get_runtime
+from tasks.support.shared_loop import run_on_shared_loop
 from tasks.support.tracing import get_tracer
 
 log = logging.getLogger("trajflow")
@@ -108,8 +109,8 @@ async def _run_group(rt: Runtime, client, policy: str, policy_step: int | None, 
 
 async def _unless_preempted(work, step: int, label: str, abandon) -> None:
     """Await `work`; on SIGTERM (tasks/support/preemption.py) or once `abandon` (an Event) is set, cancel it and
-    stop: the groups in flight are abandoned, a group write already started finishes (asyncio.run waits for its
-    thread) or never appears."""
+    stop: the groups in flight are abandoned, a group write already started finishes (run_groups waits for it) or
+    never appears."""
     work = asyncio.ensure_future(work)
     while not work.done():
         await asyncio.wait({work}, timeout=PREEMPTION_POLL_S)
@@ -141,14 +142,17 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
     progress = await Progress(label, total=len(todo) * group_size).start()
     sem = asyncio.Semaphore(config.rollouts.concurrency)
     tracer = get_tracer()
-    client = rt.client()
     rewards: list[float] = []
     failures: list[RecordedException] = []
     failed_groups: list[int] = []
 
-    async def group_task(i: int, scenario: Scenario) -> None:
+    writes: list[asyncio.Future] = []  # shielded: a cancelled group task leaves its write running, awaited below
+
+    async def group_task(client, i: int, scenario: Scenario) -> None:
         group = await _run_group(rt, client, policy, policy_step, scenario, step, group_size, sem, tracer)
-        await asyncio.to_thread(store.write_groups, storage_step, group_file(prefix, i), [group])
+        writes.append(asyncio.ensure_future(
+            asyncio.to_thread(store.write_groups, storage_step, group_file(prefix, i), [group])))
+        await asyncio.shield(writes[-1])
         crash_point("rollouts-group", step)
         rewards.extend(group.rewards)
         failures.extend(group.exceptions)
@@ -158,10 +162,11 @@ async def run_groups(config: RunConfig, step: int, scenarios: list[Scenario], po
         await progress.advance(group_size, extra=f"reward={mean:.3f} failed={len(failures)}")
 
     try:
-        await _unless_preempted(asyncio.gather(*(group_task(i, s) for i, s in todo)),
-                                storage_step if storage_step is not None else step, label, rt.stop_rollouts)
+        async with rt.policy_client() as client:
+            await _unless_preempted(asyncio.gather(*(group_task(client, i, s) for i, s in todo)),
+                                    storage_step if storage_step is not None else step, label, rt.stop_rollouts)
     finally:
-        await client.close()
+        await asyncio.gather(*writes, return_exceptions=True)  # a write already started finishes before we return
         tracer.flush()
     total = len(todo) * group_size
     if total and len(failures) > config.rollouts.max_failure_fraction * total:
@@ -202,9 +207,13 @@ def run_rollouts_fn(config: RunConfig, step: int, scenarios: list[Scenario]) -> 
     the synchronous loop, step-1-k with ``pipeline.max_off_policy_steps = k`` (backends/policy/staleness.py)."""
     policy_step = sampling_step(step, config.pipeline.max_off_policy_steps)
     policy = config.policy(policy_step)
-    asyncio.run(ensure_served(get_runtime(config), policy_step))
-    return asyncio.run(run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
-                                  f"rollouts step {step} ({policy})", storage_step=step, policy_step=policy_step))
+
+    async def rollouts() -> dict[str, Any]:
+        await ensure_served(get_runtime(config), policy_step)
+        return await run_groups(config, step, scenarios, policy, GROUPS_DIR, config.group_size,
+                                f"rollouts step {step} ({policy})", storage_step=step, policy_step=policy_step)
+
+    return run_on_shared_loop(rollouts())  # the run's policy client and connections carry over between steps
 
 
 @task(name="rollouts", task_run_name="rollouts-step-{step}", cache_key_fn=sampled_cache_key_fn("rollouts"), retries=3,

@@ -93,9 +93,10 @@ class InferenceConfig(BaseModel):
 
     probe_tolerance: float | None = Field(
         default=None, gt=0,
-        description="publish check: max |server logprob - trainer logprob| on the probe; larger tolerates bf16 noise, "
-        "smaller catches subtler stale adapters. None: 0.05 for a float32 trainer, 0.25 for bfloat16 "
-        "(`AUTO_PROBE_TOLERANCE` in `backends/policy/probe.py`)",
+        description="publish check: a flat tolerance on every probe token's |server logprob - trainer logprob|; "
+        "larger tolerates bf16 noise, smaller catches subtler stale adapters. None: the rule by the trainer's dtype "
+        "(`backends/policy/probe_rule.py`: each token within base + 2 (1 - p) delta, the median within base; float32 "
+        "0.05 flat, bfloat16 base 0.125, delta 0.5)",
     )
 
 

@@ -8,6 +8,8 @@ it emit given tokens (a canonical tool call), still reporting the model's logpro
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -155,13 +157,20 @@ def tool_conversation(tiny_lm):
     return {"trajectory": traj, "turns": (t1, t2, t3), "prompts": (p1, p2, p3), "tool_call_ids": call_ids}
 
 
-@pytest.fixture
-def single_thread():
-    """Run a test's tiny-model math on one thread (restored after): on a shared 2-core machine this
-    avoids thread oversubscription, which slows these small matmuls down several times."""
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` within the block, restored after."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test's tiny-model math on one thread (restored after): on a shared 2-core machine this
+    avoids thread oversubscription, which slows these small matmuls down several times."""
+    with torch_threads(1):
+        yield

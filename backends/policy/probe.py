@@ -11,11 +11,13 @@ Checks, strongest first:
    continues the record's ids greedily (``POST /v1/completions``, token-id prompt, temperature 0,
    ``ignore_eos``); logprobs are compared over the common prefix of the two continuations, plus the position
    where they first differ (same context there: both answers are the argmax of the same distribution, and the
-   server's top logprobs give its logprob of the trainer's token). Greedy argmax may flip on a near-tie in
-   bf16; after that the contexts differ and nothing more is comparable. Passes when
-   max |served - recorded| <= tolerance (by dtype unless configured).
+   server's top logprobs give its logprob of the trainer's token; when they do not hold it, its logprob is below
+   the least of them, which bounds the difference from below). Greedy argmax may flip on a near-tie in bf16;
+   after that the contexts differ and nothing more is comparable. Passes by the rule of
+   ``backends/policy/probe_rule.py``: each token within base + 2 (1 - p) delta and the median within base, by
+   the trainer's dtype (or a configured flat tolerance).
 2. **Against a trainer in this process** (:func:`check_with_trainer`), for a ``training.json`` without a
-   record: the server's greedy chat answer is scored by ``trainer.sequence_logprobs``.
+   record: the server's greedy chat answer is scored by ``trainer.sequence_logprobs`` (the same rule).
 3. **Changed answers** (:func:`check_changed`), without record or trainer: the new policy must answer
    differently from the previous one. Weak: a stale adapter after a small update passes.
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from backends.policy.probe_rule import judge
+
 PROBE_MESSAGES = [{"role": "user", "content": "Say something."}]
 PROBE_USER = "trajflow-publish-probe"  # marks probe requests in server logs
 PROBE_RECORD = "probe"  # the key of the probe record in training.json
@@ -31,10 +35,6 @@ PROBE_TOKENS = 16
 PROBE_TOP_LOGPROBS = 5  # top logprobs asked of the server: its logprob of the trainer's token where they differ
 PROBE_SEED = 1234  # chat probes (checks 2 and 3) sample with seed PROBE_SEED + step: reproducible per step
 
-# Probe tolerance on max |server - trainer| logprob when none is configured, by the trainer's dtype.
-# float32 (CPU): measured 2e-5..4e-5 on SmolLM2. bfloat16 (GPU): both sides compute float32 logits, but
-# hidden states differ by bf16 rounding between the engine's and the trainer's kernels.
-AUTO_PROBE_TOLERANCE = {"float32": 0.05, "bfloat16": 0.25}
 
 
 class StaleAdapterError(RuntimeError):
@@ -73,16 +73,6 @@ def probe_record(trainer, prompt_ids: list[int] | None = None) -> dict[str, Any]
             "dtype": dtype_name(trainer), "source": source}
 
 
-def tolerance_for(dtype: str, configured: float | None) -> float:
-    if configured is not None:
-        return configured
-    return AUTO_PROBE_TOLERANCE.get(dtype, AUTO_PROBE_TOLERANCE["bfloat16"])
-
-
-def probe_tolerance(trainer, configured: float | None) -> float:
-    return tolerance_for(dtype_name(trainer), configured)
-
-
 # ---- 1. against the record -------------------------------------------------------------------------------
 async def _continue_ids(client, model: str, prompt_ids: list[int], max_tokens: int):
     """The server's greedy continuation of exact token ids: (token ids, raw logprobs, per-token {id: logprob})."""
@@ -98,34 +88,38 @@ async def _continue_ids(client, model: str, prompt_ids: list[int], max_tokens: i
 
 
 def compare_with_record(record: dict[str, Any], token_ids: list[int], served: list[float],
-                        tops: list[dict[int, float]]) -> tuple[list[float], int]:
-    """|served - recorded| over the common prefix and the first differing position; returns (diffs, prefix)."""
+                        tops: list[dict[int, float]]) -> tuple[list[float], list[float], int]:
+    """|served - recorded| over the common prefix and the first differing position; returns (diffs, the recorded
+    logprob each diff is taken against, prefix length)."""
     expected_ids, expected = record["token_ids"], record["logprobs"]
     n = min(len(token_ids), len(served), len(expected_ids))
     same = 0
     while same < n and token_ids[same] == expected_ids[same]:
         same += 1
-    diffs = [abs(served[i] - expected[i]) for i in range(min(same + 1, n))]
-    if same < n and same < len(tops) and expected_ids[same] in tops[same]:
-        diffs.append(abs(tops[same][expected_ids[same]] - expected[same]))
-    return diffs, same
+    compared = range(min(same + 1, n))
+    diffs, against = [abs(served[i] - expected[i]) for i in compared], [expected[i] for i in compared]
+    if same < n and same < len(tops) and tops[same]:
+        top = tops[same]
+        # the server's logprob of the trainer's token; not among its top ones: below the least of them
+        diffs.append(abs(top[expected_ids[same]] - expected[same]) if expected_ids[same] in top
+                     else max(0.0, expected[same] - min(top.values())))
+        against.append(expected[same])
+    return diffs, against, same
 
 
 async def check_record(client, name: str, record: dict[str, Any], tolerance: float | None) -> dict[str, float]:
     """Check 1 (module docstring); StaleAdapterError if it fails."""
     token_ids, served, tops = await _continue_ids(client, name, record["prompt_token_ids"], len(record["token_ids"]))
-    diffs, same = compare_with_record(record, token_ids, served, tops)
+    diffs, against, same = compare_with_record(record, token_ids, served, tops)
     if not diffs:
         raise StaleAdapterError(f"probe of {name} returned no token ids/logprobs; the server does not speak the "
                                 "dialect (/v1/completions with token-id prompts, return_token_ids + logprobs)")
-    diff, tolerance = max(diffs), tolerance_for(record.get("dtype", "bfloat16"), tolerance)
-    metrics = {"publish/probe_max_abs_diff": diff, "publish/probe_mean_abs_diff": sum(diffs) / len(diffs),
-               "publish/probe_tolerance": tolerance, "publish/probe_common_prefix": float(same)}
-    if diff > tolerance:
-        raise StaleAdapterError(f"server logprobs for {name} differ from the trainer's probe record by up to "
-                                f"{diff:.4f} (tolerance {tolerance}; {same} of {len(record['token_ids'])} greedy "
-                                "tokens agree); the served adapter is not the one trained at this step")
-    return metrics
+    verdict = judge(diffs, against, record.get("dtype", "bfloat16"), tolerance)
+    if not verdict.passed:
+        raise StaleAdapterError(f"server logprobs for {name} differ from the trainer's probe record by "
+                                f"{verdict.describe()}; {same} of {len(record['token_ids'])} greedy tokens agree; "
+                                "the served adapter is not the one trained at this step")
+    return {**verdict.metrics(), "publish/probe_common_prefix": float(same)}
 
 
 # ---- 2. and 3.: chat probes ------------------------------------------------------------------------------
@@ -153,12 +147,11 @@ async def check_with_trainer(client, name: str, messages, seed: int, trainer,
     prompt_ids, token_ids, served = await _sample(client, name, messages, seed)
     expected = trainer.sequence_logprobs(prompt_ids, token_ids)
     diffs = [abs(a - b) for a, b in zip(served, expected)]
-    diff, tolerance = max(diffs), probe_tolerance(trainer, tolerance)
-    if diff > tolerance:
-        raise StaleAdapterError(f"server logprobs for {name} differ from the trainer's by up to {diff:.4f} "
-                                f"(tolerance {tolerance}); the served adapter is not the one just trained")
-    return {"publish/probe_max_abs_diff": diff, "publish/probe_mean_abs_diff": sum(diffs) / len(diffs),
-            "publish/probe_tolerance": tolerance}
+    verdict = judge(diffs, expected, dtype_name(trainer), tolerance)
+    if not verdict.passed:
+        raise StaleAdapterError(f"server logprobs for {name} differ from the trainer's by {verdict.describe()}; "
+                                "the served adapter is not the one just trained")
+    return verdict.metrics()
 
 
 async def check_answers(client, name: str, messages, seed: int) -> dict[str, float]:

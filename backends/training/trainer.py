@@ -41,6 +41,7 @@ import torch
 
 from agents.trajectory import TrajectoryGroup
 from backends.modeling.host_memory import release_freed_memory
+from backends.modeling.intra_op_threads import single_thread_on_cpu
 from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
@@ -434,7 +435,8 @@ class GRPOTrainer:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """The current policy's logprob of each completion token after the prompt (eval mode, no grad)."""
+        """The current policy's logprob of each completion token after the prompt (eval mode, no grad; one intra-op
+        thread on the CPU: backends/modeling/intra_op_threads.py)."""
         if not prompt_ids or not completion_ids:
             raise ValueError("sequence_logprobs needs a non-empty prompt and completion")
         ids = list(prompt_ids) + list(completion_ids)
@@ -444,7 +446,7 @@ class GRPOTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), single_thread_on_cpu(self.device):
                 logp, _ = self._token_logprobs(mb)
         finally:
             self.model.train(was_training)
@@ -453,7 +455,8 @@ class GRPOTrainer:
     def greedy_continuation(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens of the float32
         logits (EOS does not stop it) and each one's logprob as `sequence_logprobs` gives it. The same modules
-        as training, decoded with a KV cache: one prefill, one step per token, then one scoring pass."""
+        as training, decoded with a KV cache: one prefill, one step per token, then one scoring pass (one intra-op
+        thread on the CPU, as `sequence_logprobs`)."""
         if not prompt_ids or max_tokens < 1:
             raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
         from transformers import DynamicCache
@@ -464,7 +467,7 @@ class GRPOTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), single_thread_on_cpu(self.device):
                 for _ in range(max_tokens):
                     hidden = decoder(input_ids=step_ids, use_cache=True, **{cache_arg: cache})[0][0, -1:]
                     tokens.append(int(logits_fp32(hidden, weight).argmax(-1)))

@@ -7,9 +7,13 @@ objects live here, created once per process and looked up by ``<project>/<run>``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator
+from typing import Any
 
 from agents.client import policy_client
 from backends.modeling.devices import resolve_device
@@ -17,6 +21,7 @@ from backends.policy.checkpoints import load_checkpoint
 from storage.store import RunStore
 from tasks.run_config import RunConfig
 from tasks.support.placement import placement, visible_gpus
+from tasks.support.shared_loop import on_shared_loop, run_on_shared_loop
 
 log = logging.getLogger("trajflow")
 
@@ -39,6 +44,7 @@ class Runtime:
         self.base_urls: list[str] = []
         self.base_model_name: str | None = None
         self._tracker = None
+        self._shared_client: tuple[tuple[str, ...], Any] | None = None  # (server URLs, client) on the shared loop
 
     # ---- tracking ----------------------------------------------------------------------------
     def tracker(self):
@@ -124,9 +130,29 @@ class Runtime:
         return None
 
     def client(self):
-        """A fresh policy client (per task: httpx clients must not cross event loops); over several replicas it
+        """A fresh policy client (its caller closes it; clients must not cross event loops); over several replicas it
         routes each request (agents/replica_router.py)."""
         return policy_client(self.ensure_servers(), api_key=self.api_key, timeout=self.config.rollouts.timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def policy_client(self) -> AsyncIterator[Any]:
+        """The policy client for the running event loop. On the process's shared loop (tasks/support/shared_loop.py)
+        it is the runtime's own, kept open so that the next step reuses its connections, and replaced when the
+        servers' URLs change (a restarted vLLM); on any other loop a fresh one, closed on the way out."""
+        if not on_shared_loop():
+            client = self.client()
+            try:
+                yield client
+            finally:
+                await client.close()
+            return
+        urls = tuple(await asyncio.to_thread(self.ensure_servers))  # a vLLM restart must not stall the shared loop
+        if self._shared_client is not None and self._shared_client[0] != urls:
+            await self._shared_client[1].close()
+            self._shared_client = None
+        if self._shared_client is None:
+            self._shared_client = (urls, self.client())
+        yield self._shared_client[1]
 
     def replica_client(self, replica: int):
         """A fresh policy client of one replica only (publishing probes each replica itself)."""
@@ -182,6 +208,12 @@ class Runtime:
             if self._tracker is not None:
                 self._tracker.finish()
                 self._tracker = None
+            if self._shared_client is not None:
+                client, self._shared_client = self._shared_client[1], None
+                if on_shared_loop():
+                    asyncio.get_running_loop().create_task(client.close())
+                else:
+                    run_on_shared_loop(client.close())
             self._stop_servers()
 
 

@@ -1,11 +1,12 @@
-"""Progress of a task: its Prefect progress artifact, written through clients that share one TLS context."""
+"""Progress of a task: its Prefect progress artifact, sent off the work's path through clients that share one TLS
+context."""
 
 from __future__ import annotations
 
 import asyncio
 
 from tasks.support.prefect_client import api_client, tls_context
-from tasks.support.progress import Progress
+from tasks.support.progress import _SENDER, Progress, flush_progress
 
 
 def test_progress_artifact_follows_the_work_to_100_percent(prefect_api):
@@ -15,9 +16,11 @@ def test_progress_artifact_follows_the_work_to_100_percent(prefect_api):
 
     async def work() -> tuple:
         progress = await Progress("rollouts step 1", total=4, every_s=0).start()
+        await progress.flush()
         assert progress._artifact_id is not None
         for _ in range(3):
             await progress.advance()
+        await progress.flush()
         async with get_client() as client:
             (midway,) = await client.read_artifacts(artifact_filter=ArtifactFilter(
                 id=ArtifactFilterId(any_=[progress._artifact_id])))
@@ -29,6 +32,7 @@ def test_progress_artifact_follows_the_work_to_100_percent(prefect_api):
         return asyncio.run(work())
 
     artifact_id, midway = rollouts()
+    flush_progress()
 
     async def read():
         async with get_client() as client:
@@ -36,6 +40,45 @@ def test_progress_artifact_follows_the_work_to_100_percent(prefect_api):
 
     (done,) = asyncio.run(read())
     assert (done.type, midway, done.data) == ("progress", 75.0, 100.0)
+
+
+def test_the_work_never_waits_for_the_api(prefect_api):
+    """While the API is busy (here: a call ahead in the queue that does not finish), advancing returns at once, and
+    the artifact shows the latest progress once the API answers."""
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    release = threading.Event()
+
+    async def busy_api() -> None:
+        await asyncio.to_thread(release.wait, 30)
+
+    async def work():
+        progress = await Progress("rollouts step 2", total=3, every_s=0).start()
+        await progress.flush()
+        _SENDER.submit(busy_api)
+        for _ in range(3):
+            await progress.advance()  # would block for 30 s if it waited for its call to be sent
+        assert progress._sent == 0.0
+        release.set()
+        await progress.flush()
+        return progress._artifact_id
+
+    @flow
+    def rollouts():
+        return asyncio.run(asyncio.wait_for(work(), timeout=20))
+
+    artifact_id = rollouts()
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+
+    (done,) = asyncio.run(read())
+    assert done.data == 100.0
 
 
 def test_api_clients_share_one_tls_context_built_as_prefect_builds_it():
