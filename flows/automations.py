@@ -62,7 +62,8 @@ def upsert_automation(automation) -> str:
     from prefect.client.orchestration import get_client
     from prefect.events.schemas.automations import AutomationCore
 
-    wanted = AutomationCore(**automation.model_dump(exclude={"id"}))
+    # owner_resource is read-only on the server: an update carrying it (even as null) is refused with a 422
+    wanted = AutomationCore(**automation.model_dump(exclude={"id", "owner_resource"}))
     with get_client(sync_client=True) as client:
         existing = client.read_automations_by_name(name=automation.name)
         if not existing:
@@ -72,7 +73,9 @@ def upsert_automation(automation) -> str:
         for duplicate in extra:  # two commands raced: keep one
             client.delete_automation(duplicate.id)
         current = AutomationCore(**first.model_dump(exclude={"id", "owner_resource"}))
-        if current.model_dump(mode="json") == wanted.model_dump(mode="json"):
+        # python mode keeps the trigger's sets (expect, after, for_each) as sets: JSON mode lists them in hash order,
+        # which differs between processes, so an unchanged automation could compare unequal
+        if current.model_dump() == wanted.model_dump():
             return "unchanged"
         client.update_automation(automation_id=first.id, automation=wanted)
         return "updated"
