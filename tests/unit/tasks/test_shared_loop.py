@@ -57,11 +57,17 @@ def test_an_interrupted_caller_cancels_the_coroutine():
             cancelled.set()
             raise
 
-    # Ctrl-C: a real SIGINT interrupts the main thread's wait (_thread.interrupt_main would not)
+    # Ctrl-C: a real SIGINT interrupts the main thread's wait (_thread.interrupt_main would not); Python's own
+    # handler, since a server or flow started earlier in this process may have installed another one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        run_on_shared_loop(long_work())
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_on_shared_loop(long_work())
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert cancelled.wait(5)
 
 
