@@ -202,7 +202,7 @@ class TrainerConfig(BaseModel):
         "gradients (GRPOTrainer.warm_up: no step; adapter, optimizer and RNG untouched), so compiling the "
         "torch.compile'd kernels happens before the first step instead of inside it. 'auto': on for CUDA.",
     )
-    attention_kernel: Literal["auto", "flash", "sdpa-default"] = Field(
+    attention_kernel: Literal["auto", "varlen", "flash", "sdpa-default"] = Field(
         default="auto",
         description="Kernel of the packed rows' causal attention (one SDPA call per row). 'flash' (= 'auto'): "
         "PyTorch's FlashAttention-2 first, memory-efficient attention next, cuDNN and math last. "

@@ -51,8 +51,9 @@ from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import assign_aggregation_weights, policy_loss
-from backends.training.packing import (MicroBatch, install_varlen_attention, make_micro_batch, packed_forward, plan_bins,
-                                       sdpa_backends)
+from backends.training.packed_attention import (PackedAttention, attention_path, install_varlen_attention,
+                                               packed_forward, sdpa_backends)
+from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
 
@@ -165,6 +166,7 @@ class GRPOTrainer:
         self._lm = self.model.get_base_model()
         self._lm.config.use_cache = False
         self.packed = self.backend == "peft" and install_varlen_attention(self._lm)
+        self._choose_attention(config)
         on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
         fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
         self.patched_ops = patch_model(self._lm, compile=on_cuda, fuse_lora=fused) if lean and peft_path else {}
@@ -208,6 +210,7 @@ class GRPOTrainer:
                  for k in TrainerConfig.CONSTRUCTION_FIELDS if getattr(new, k) != getattr(self.config, k)]
         if fixed:
             raise ValueError("cannot change on a live trainer (start a new one): " + "; ".join(fixed))
+        self._choose_attention(new)
         self.config = new
         self.scheduler.base_lrs = [new.learning_rate for _ in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
@@ -228,6 +231,12 @@ class GRPOTrainer:
         for i, layer in enumerate(layers):  # evenly spread: layer i is recomputed when floor() steps
             layer.gradient_checkpointing = math.floor((i + 1) * fraction) > math.floor(i * fraction)
 
+    def _choose_attention(self, config: TrainerConfig) -> None:
+        """The packed forward's attention path and, for its per-row SDPA calls, the kernel order (CUDA only: the
+        CPU has one kernel); an ``attention_kernel`` that cannot run here is a ValueError."""
+        self.attention_path = attention_path(config.attention_kernel, self.device, self.dtype) if self.packed else None
+        self.sdpa_order = sdpa_backends(config.attention_kernel) if self.device.type == "cuda" else None
+
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.dtype)
@@ -238,8 +247,8 @@ class GRPOTrainer:
         kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
         packing = contextlib.nullcontext()
         if self.packed:
-            kwargs["trajflow_segments"] = mb.segments
-            packing = packed_forward(sdpa_backends(self.config.attention_kernel) if self.device.type == "cuda" else None)
+            kwargs["trajflow_packed"] = PackedAttention(mb.spans, self.attention_path, self.sdpa_order)
+            packing = packed_forward()
         with packing, self._autocast():
             out = decoder(**kwargs)
         return out[0][0]

@@ -299,26 +299,24 @@ def test_greedy_continuation_is_the_argmax_of_full_forwards_and_scored_like_sequ
             trainer.greedy_continuation(bad_prompt, bad_n)
 
 
-def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_conversation, monkeypatch):
-    """The backends a packed forward carries reach SDPA: only-efficient has no CPU kernel and fails, math-only gives
-    the default kernel's logprobs, and no choice is PyTorch's own (CPU trainers pass none)."""
+def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_conversation):
+    """The backends a packed forward carries reach the rows' SDPA calls: only-efficient has no CPU kernel and fails,
+    math-only gives the default kernel's logprobs, and no choice is PyTorch's own (CPU trainers pass none)."""
     from torch.nn.attention import SDPBackend
 
-    from backends.training import packing
+    from backends.training import packed_attention
 
     trainer = _trainer(tiny_model_path)
+    trainer.attention_path = "rows"
     t1, p1 = tool_conversation["turns"][0], tool_conversation["prompts"][0]
     default = trainer.sequence_logprobs(p1, t1.token_ids)
-    chosen = {}
-    monkeypatch.setattr("backends.training.trainer.packed_forward",
-                        lambda backends=None: packing.packed_forward(chosen["backends"]))
-    chosen["backends"] = [SDPBackend.MATH]
+    trainer.sdpa_order = [SDPBackend.MATH]
     assert trainer.sequence_logprobs(p1, t1.token_ids) == pytest.approx(default, abs=1e-5)
-    chosen["backends"] = [SDPBackend.EFFICIENT_ATTENTION]
+    trainer.sdpa_order = [SDPBackend.EFFICIENT_ATTENTION]
     with pytest.raises(RuntimeError, match="No viable backend|No available kernel"):
         trainer.sequence_logprobs(p1, t1.token_ids)
-    assert packing.sdpa_backends("sdpa-default") is None
-    assert packing.sdpa_backends("flash")[0] == SDPBackend.FLASH_ATTENTION
+    assert packed_attention.sdpa_backends("sdpa-default") is None
+    assert packed_attention.sdpa_backends("flash")[0] == SDPBackend.FLASH_ATTENTION
 
 
 def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path):

@@ -1,0 +1,236 @@
+"""The causal attention of a packed micro-batch: every row attends to itself only.
+
+A packed forward is ONE sequence ``[1, L]`` holding rows ``r_1..r_R`` back to back (``packing.make_micro_batch``),
+positions restarting at 0 in each. Token ``t`` of row ``r`` attends to the tokens ``s <= t`` of row ``r``:
+
+    out_t = sum_s softmax_s(q_t . k_s * scale) v_s     over s in row(t), s <= t
+
+which is what row ``r`` alone computes. Two ways to run it, each exact up to the order of float sums:
+
+1. ``varlen``: ONE FlashAttention varlen call per layer (``torch.nn.attention.varlen.varlen_attn``) over the rows'
+   cumulative offsets ``cu_seqlens`` (int32, on the device, built once per micro-batch), forward and backward one
+   kernel each; grouped-query attention is native (no key/value copies). CUDA with bf16/fp16 only.
+2. ``rows``: one SDPA call per row on its slice of q/k/v (``is_causal``), then a cat: R calls per layer plus the
+   slices, the cat and their backward. Any device; which SDPA kernel runs is the trainer's ``attention_kernel``.
+   The CPU runs this: one SDPA call per layer with a block-diagonal causal mask computes ``L^2`` scores instead of
+   ``sum(n_r^2)`` and measured 3x slower per layer at the main job's 512-token micro-batches
+   (benchmarks/results/packed-attention-cpu.md).
+
+Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype). The
+attention function, registered with transformers as ``trajflow_varlen``, gets the spans, the path and the SDPA
+kernel order as the ``trajflow_packed`` keyword (``PackedAttention``) that transformers forwards from the decoder
+call to the attention function (also through gradient-checkpoint recomputation); ``packed_forward`` keeps the model
+from building a mask. Without that keyword the function is plain SDPA, so a model set to it still generates
+normally.
+
+Simplifications: attention dropout and a non-default scale (torch 2.10's ``varlen_attn`` takes no ``scale``) make the
+``varlen`` path run as ``rows``; sliding windows are ignored, as the SDPA path ignores them without a
+mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+VARLEN = "trajflow_varlen"
+PATHS = ("varlen", "rows")
+CPU_PATH = "rows"
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+_PACKED_FORWARD = contextvars.ContextVar("trajflow_packed_forward", default=False)
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Where each packed row lies in the micro-batch: ``lengths`` (host), ``cu_seqlens`` = [0, n_1, n_1+n_2, ...]
+    (int32, on the micro-batch's device) and ``max_len`` (host), so no layer reads anything back from the device."""
+
+    lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, lengths, device) -> "RowSpans":
+        lengths = tuple(int(n) for n in lengths)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        return cls(lengths, torch.tensor(offsets, dtype=torch.int32, device=device), max(lengths, default=0))
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """What a packed forward's attention needs, passed as the ``trajflow_packed`` keyword of the decoder call: the
+    rows' spans, the path (one of ``PATHS``) and, for the ``rows`` path, SDPA's backends in priority order
+    (``sdpa_backends``; None: PyTorch's own choice). A keyword, not a context, so that gradient-checkpoint
+    recomputation (which runs in the backward, outside any context of the forward) computes the same thing."""
+
+    spans: RowSpans
+    path: str = "rows"
+    sdpa_backends: list | None = None
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"packed attention path {self.path!r}: expected one of {PATHS}")
+
+
+def sdpa_backends(kernel: str) -> list | None:
+    """SDPA backends in priority order for an ``attention_kernel`` setting; None = PyTorch's own choice."""
+    if kernel == "sdpa-default":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """How this torch's ``varlen_attn`` is called: its keyword for causal attention, whether it takes ``scale``, and
+    whether it takes ``enable_gqa``. Its signature moved: 2.10 takes ``is_causal``; later versions
+    ``window_size=(-1, 0)`` and ``scale``, then ``enable_gqa`` (before it, the flash kernel took fewer key/value heads
+    than query heads as they came, its varlen backward summing their gradients)."""
+
+    fn: object
+    causal: dict
+    takes_scale: bool
+    takes_gqa: bool
+
+    @classmethod
+    def of(cls, fn) -> "VarlenCall | None":
+        params = inspect.signature(fn).parameters
+        if "window_size" in params:
+            causal = {"window_size": (-1, 0)}
+        elif "is_causal" in params:
+            causal = {"is_causal": True}
+        else:
+            return None
+        return cls(fn, causal, "scale" in params, "enable_gqa" in params)
+
+
+@functools.cache
+def varlen_function() -> VarlenCall | None:
+    """This torch's ``torch.nn.attention.varlen.varlen_attn`` as a ``VarlenCall``; None where there is none (before
+    2.10) or its signature is not one we know."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return VarlenCall.of(varlen_attn)
+
+
+def varlen_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the ``varlen`` path cannot run for a model on ``device`` in ``dtype``; None when it can."""
+    if device.type != "cuda":
+        return f"FlashAttention varlen runs on CUDA only (device {device})"
+    if dtype not in _FLASH_DTYPES:
+        return f"FlashAttention varlen needs bfloat16 or float16 (dtype {dtype})"
+    if varlen_function() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn we can call (2.10 or later has)"
+    return None
+
+
+def attention_path(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The path a trainer's packed forward runs for its ``attention_kernel`` setting (``TrainerConfig``).
+
+    Off CUDA: ``CPU_PATH`` whatever the setting. On CUDA: ``varlen`` for 'varlen' (ValueError naming the field and
+    the reason where it cannot run) and for 'auto' where it can; ``rows`` otherwise ('flash', 'sdpa-default', and
+    'auto' on float32 or a torch without varlen attention)."""
+    if device.type != "cuda":
+        return CPU_PATH
+    why = varlen_unavailable(device, dtype)
+    if kernel == "varlen" and why:
+        raise ValueError(f"attention_kernel 'varlen' cannot run here: {why}; use 'auto' or 'flash'")
+    return "varlen" if kernel in ("varlen", "auto") and why is None else "rows"
+
+
+def _flash_varlen(query, key, value, spans: RowSpans, scale: float | None) -> torch.Tensor:
+    """[1, H, L, D] q (k, v: [1, Hkv, L, D]) -> [1, L, H, D] in one varlen call."""
+    call = varlen_function()
+    kwargs = dict(call.causal)
+    if call.takes_scale:
+        kwargs["scale"] = scale
+    if call.takes_gqa and key.shape[1] != query.shape[1]:
+        kwargs["enable_gqa"] = True
+    # autocast casts nothing for a custom op: its dtype for all three, as it would give SDPA
+    where = query.device.type
+    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else query.dtype
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [L, H, D]: the layout q_proj wrote
+    out = call.fn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len, spans.max_len, **kwargs)
+    return out[None]
+
+
+def _varlen_fits(query, kwargs) -> bool:
+    """False where this layer asks for what the varlen call cannot give: dropout, or a non-default scale on a torch
+    whose varlen_attn takes none."""
+    scale = kwargs.get("scaling")
+    default_scale = scale is None or scale == query.shape[-1] ** -0.5
+    return not kwargs.get("dropout") and (varlen_function().takes_scale or default_scale)
+
+
+def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    packed: PackedAttention | None = kwargs.pop("trajflow_packed", None)
+    if packed is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    spans = packed.spans
+    kwargs.pop("is_causal", None)
+    kwargs.pop("position_ids", None)
+    if packed.path == "varlen" and _varlen_fits(query, kwargs):
+        return _flash_varlen(query, key, value, spans, kwargs.get("scaling")), None
+    kernels = contextlib.nullcontext()
+    if packed.sdpa_backends is not None:
+        from torch.nn.attention import sdpa_kernel
+
+        kernels = sdpa_kernel(packed.sdpa_backends, set_priority=True)
+    outs, start = [], 0
+    with kernels:
+        for n in spans.lengths:
+            end = start + n
+            out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                            value[:, :, start:end], None, is_causal=True, **kwargs)
+            outs.append(out)
+            start = end
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _varlen_mask(*args, **kwargs):
+    """No mask is built for a packed forward (the spans are the mask); otherwise SDPA's mask."""
+    if _PACKED_FORWARD.get():
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def install_varlen_attention(causal_lm) -> bool:
+    """Register ``trajflow_varlen`` and switch the model to it; False if the model cannot (no SDPA path)."""
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError:  # pragma: no cover - transformers < 4.53
+        return False
+    AttentionInterface.register(VARLEN, _varlen_attention)
+    AttentionMaskInterface.register(VARLEN, _varlen_mask)
+    if getattr(causal_lm.config, "_attn_implementation", None) not in ("sdpa", "eager", VARLEN):
+        return False
+    causal_lm.config._attn_implementation = VARLEN
+    for sub in causal_lm.config.sub_configs if hasattr(causal_lm.config, "sub_configs") else ():
+        cfg = getattr(causal_lm.config, sub, None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = VARLEN
+    return True
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """Mark the enclosed decoder call as packed: no attention mask is materialised (the spans are the mask)."""
+    token = _PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_FORWARD.reset(token)

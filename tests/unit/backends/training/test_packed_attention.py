@@ -1,0 +1,181 @@
+"""Packed attention: a packed forward + backward equals each row alone, on every path that runs here.
+
+The ``varlen`` path calls torch's public ``varlen_attn`` (its signature handling, its registered autograd, the
+layout conversions and cu_seqlens are ours to get right); its FlashAttention kernel has no CPU build, so here the
+two operators under it (``torch_attn::_varlen_attn`` and its backward) get a CPU kernel that computes the documented
+varlen semantics in plain torch (``_reference_varlen``). The flash kernel itself is compared with the ``rows`` path
+on the H200 by benchmarks/varlen_check.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+import torch
+
+from backends.training.config import TrainerConfig
+from backends.training.packed_attention import CPU_PATH, VarlenCall, attention_path, varlen_function
+from backends.training.packing import make_micro_batch
+from backends.training.token_rows import TrainingRow
+from backends.training.trainer import GRPOTrainer
+from tests.fixtures_trainer import assert_same_gradients
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _spans(cu: torch.Tensor):
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _probs(q, k, scale, causal):
+    """Per-head softmax of one sequence's scores: q [n, H, D], k [n, Hkv, D] -> p [H, n, n], lse [H, n]."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        n = q.shape[0]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp(), lse
+
+
+def _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *_, **__):
+    """varlen_attn's forward on the CPU: each span of cu_seq attends to itself; (out [T, H, D], lse [H, T], rng)."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = torch.empty_like(query), query.new_empty(query.shape[1], query.shape[0])
+    for a, b in _spans(cu_seq_q):
+        p, lse[:, a:b] = _probs(query[a:b], key[a:b], scale, is_causal)
+        v = value[a:b].repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, v)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def _reference_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                               rng_state, scale=None, *_, **__):
+    """Its backward: dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dq = dS K scale, dk = dS^T Q scale; the key /
+    value heads' gradients summed over the query heads that share them."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    group = query.shape[1] // key.shape[1]
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for a, b in _spans(cu_seq_q):
+        p, _ = _probs(query[a:b], key[a:b], scale, is_causal)
+        k, v = (x[a:b].repeat_interleave(group, dim=1) for x in (key, value))
+        do, o = grad_out[a:b], out[a:b]
+        dv_full = torch.einsum("hqk,qhd->khd", p, do)
+        ds = p * (torch.einsum("qhd,khd->hqk", do, v) - (do * o).sum(-1).T[..., None])
+        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, k) * scale
+        dk_full = torch.einsum("hqk,qhd->khd", ds, query[a:b]) * scale
+        dk[a:b] = dk_full.unflatten(1, (key.shape[1], group)).sum(2)
+        dv[a:b] = dv_full.unflatten(1, (key.shape[1], group)).sum(2)
+    return dq, dk, dv
+
+
+@pytest.fixture(scope="module")
+def cpu_varlen_kernel():
+    """CPU kernels for the operators under torch's varlen_attn (registered once per process: no CPU test calls it
+    otherwise, where it could only fail)."""
+    from torch.nn.attention import varlen
+
+    for op, kernel in ((varlen._varlen_attn, _reference_varlen),
+                       (varlen._varlen_attn_backward, _reference_varlen_backward)):
+        if "cpu" not in op._backend_fns:
+            op.register_kernel("cpu", kernel)
+
+
+def _rows(vocab: int) -> list[TrainingRow]:
+    """Mixed lengths, two of them a single (untrained) token, each row a different share of the loss."""
+    rng = random.Random(3)
+    rows = []
+    for k, n in enumerate((1, 9, 2, 33, 1, 17, 5, 24)):
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        mask = [t > 0 and rng.random() < 0.7 for t in range(n)]
+        rows.append(TrainingRow(ids, mask, [0.0] * n, advantage=1.0, weight=0.5 + k, source=f"row{k}"))
+    return rows
+
+
+def _logprobs_and_grads(trainer: GRPOTrainer, micro_batches):
+    """The trained tokens' logprobs (concatenated) and the LoRA gradients of sum(weight * logprob)."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    out = []
+    for mb in micro_batches:
+        logp, _ = trainer._token_logprobs(mb)
+        (logp * mb.weights).sum().backward()
+        out.append(logp.detach())
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return torch.cat(out), grads
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_packed_micro_batch_equals_each_row_alone_on_every_path(tiny_model_path, cpu_varlen_kernel, checkpointing):
+    """One packed micro-batch of 8 rows (lengths 1-33, GQA: 4 query / 2 key-value heads) against each row through
+    the unpacked model (transformers' own causal mask): the same logprobs and the same LoRA gradients, on the
+    ``rows`` path, the ``varlen`` path, and the path a CPU trainer picks."""
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(gradient_checkpointing=checkpointing,
+                                                              checkpoint_layer_fraction=1.0))
+    attn = trainer._lm.model.layers[0].self_attn
+    assert attn.config.num_attention_heads > attn.config.num_key_value_heads  # GQA
+    torch.manual_seed(0)
+    for name, p in trainer.model.named_parameters():
+        if "lora_B" in name:  # a fresh adapter's B = 0 would leave A without gradient
+            p.data.normal_(0, 0.05)
+    trainer.model.train()
+    rows = _rows(trainer.vocab_size)
+    assert trainer.attention_path == CPU_PATH
+
+    trainer.packed = False  # the reference: each row alone, no packing code in its forward
+    want_logp, want_grads = _logprobs_and_grads(trainer, [make_micro_batch([r], "cpu") for r in rows])
+    trainer.packed = True
+    packed = make_micro_batch(rows, "cpu")
+    assert packed.spans.lengths == tuple(len(r) for r in rows) and packed.tokens == sum(len(r) for r in rows)
+    assert packed.spans.cu_seqlens.dtype == torch.int32 and packed.spans.max_len == 33
+    for path in ("rows", "varlen"):
+        trainer.attention_path = path
+        logp, grads = _logprobs_and_grads(trainer, [packed])
+        torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5, msg=lambda m: f"{path}: {m}")
+        assert_same_gradients([grads], [want_grads], path)
+        assert len(grads) == len(trainer._params)  # every LoRA weight reached
+
+
+def test_attention_kernel_picks_the_path_for_the_device_and_dtype(tiny_model_path):
+    cuda = torch.device("cuda")
+    assert varlen_function() is not None  # this torch has it (>= 2.10)
+    assert attention_path("auto", cuda, torch.bfloat16) == "varlen"
+    assert attention_path("varlen", cuda, torch.float16) == "varlen"
+    assert attention_path("auto", cuda, torch.float32) == "rows"  # flash has no float32 kernel
+    assert attention_path("flash", cuda, torch.bfloat16) == "rows"
+    assert attention_path("sdpa-default", cuda, torch.bfloat16) == "rows"
+    with pytest.raises(ValueError, match="attention_kernel 'varlen' cannot run here: FlashAttention varlen needs "
+                                         "bfloat16 or float16"):
+        attention_path("varlen", cuda, torch.float32)
+    for kernel in ("auto", "varlen", "flash", "sdpa-default"):  # the CPU has one kernel: the setting is CUDA's
+        assert attention_path(kernel, torch.device("cpu"), torch.float32) == CPU_PATH
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(attention_kernel="varlen"))
+    assert trainer.attention_path == CPU_PATH and trainer.sdpa_order is None
+    trainer.update_config(attention_kernel="flash")
+    assert trainer.attention_path == CPU_PATH
+
+
+def test_varlen_calls_follow_the_signature_of_each_torch():
+    """2.10 took ``is_causal``; 2.11 ``window_size`` and ``scale``; 2.12 on also ``enable_gqa``."""
+    def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        pass
+
+    def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1)):
+        pass
+
+    def v212(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        pass
+
+    def unknown(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        pass
+
+    assert VarlenCall.of(v210) == VarlenCall(v210, {"is_causal": True}, False, False)
+    assert VarlenCall.of(v211) == VarlenCall(v211, {"window_size": (-1, 0)}, True, False)
+    assert VarlenCall.of(v212) == VarlenCall(v212, {"window_size": (-1, 0)}, True, True)
+    assert VarlenCall.of(unknown) is None
+    installed = varlen_function()
+    assert set(installed.causal) <= set(inspect.signature(installed.fn).parameters)
