@@ -95,7 +95,8 @@ def layer_times(lengths, repeats: int, calls: int) -> dict:
         return torch.cat(outs, dim=1)
 
     fns = {"rows": rows, "mask": lambda: masked_attention(q, k, v, mask)}
-    diff = float((fns["rows"]() - fns["mask"]()).abs().max())
+    with torch.no_grad():
+        diff = float((fns["rows"]() - fns["mask"]()).abs().max())
     cpu_ms: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -6,7 +6,9 @@ arithmetic for a 135M model). This runs the product's own stage function (`backe
 read the scored groups, the GRPO update, the policy-shift pass, checkpoint upload, the probe record, training.json)
 on a local run store, with each part timed by wrapping it (the code under test is not changed), on random weights of
 SmolLM2-135M's shape and rows of the arithmetic agent's lengths (prompt ~38 tokens shared by a group's 16 rows,
-completions of 1-16 tokens). `--profile-step K` adds torch.profiler's top operators for the update of step K.
+completions of 1-16 tokens). `--profile-step K` adds torch.profiler's top operators for the update of step K, and
+the counts of its attention calls and kernel launches. `--attention-kernel flash` runs the packed attention as one SDPA
+call per row (the path before ONE varlen call per layer became the default: `TrainerConfig.attention_kernel`).
 
     python benchmarks/train_stage.py --device cuda --out benchmarks/results/train-stage-h200.json
     .venv/bin/python benchmarks/train_stage.py --device cpu --steps 3 --groups 4 --out /tmp/train-stage.json  # smoke
@@ -31,6 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+PROFILED_CALLS = ("aten::_flash_attention_forward", "aten::_flash_attention_backward",
+                  "aten::_scaled_dot_product_flash_attention", "aten::_efficient_attention_forward",
+                  "aten::_cudnn_attention_forward", "cudaLaunchKernel", "SliceBackward0", "CatBackward0")
 
 
 def arithmetic_groups(step: int, groups: int, group_size: int, vocab: int, prompt_tokens: int, max_new: int):
@@ -73,10 +80,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=38)
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--profile-step", type=int, default=0, help="torch.profiler over the update of this step (0: none)")
+    ap.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "flash", "sdpa-default"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import torch
+    from torch.autograd import DeviceType
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import backends.policy.checkpoints as checkpoints
@@ -95,7 +104,8 @@ def main() -> None:
     with torch.device(args.device):
         model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation="sdpa")).eval()
     torch.set_default_dtype(old)
-    cfg = TrainerConfig(learning_rate=2e-4, lora_rank=8, lora_alpha=16, seed=0)  # configs/default.yaml's trainer
+    cfg = TrainerConfig(learning_rate=2e-4, lora_rank=8, lora_alpha=16, seed=0,  # configs/default.yaml's trainer
+                        attention_kernel=args.attention_kernel)
     trainer = GRPOTrainer("bench", cfg, device=args.device, model=model, tokenizer=build_tiny_tokenizer())
     sync()
     build_s = time.perf_counter() - started
@@ -127,8 +137,12 @@ def main() -> None:
             if prof is not None:
                 prof.__exit__(None, None, None)
                 key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-                profile = {"by_self_cpu": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25),
-                           "by_device": prof.key_averages().table(sort_by=key, row_limit=25)}
+                events = prof.key_averages()
+                profile = {"by_self_cpu": events.table(sort_by="self_cpu_time_total", row_limit=25),
+                           "by_device": events.table(sort_by=key, row_limit=25),
+                           "calls": {e.key: e.count for e in events if e.key in PROFILED_CALLS or "varlen" in e.key},
+                           "device_time_s": round(sum(e.self_device_time_total for e in events
+                                                      if e.device_type == DeviceType.CUDA) / 1e6, 4)}
             m = result["metrics"]
             row = {"step": step, "stage_s": round(total, 4), **{k: round(v, 4) for k, v in sorted(times.items())},
                    "tokens": m.get("train/tokens"), "micro_batches": m.get("train/micro_batches"),
@@ -141,7 +155,8 @@ def main() -> None:
     later = steps[1:] or steps
     summary = {"stage_s_median": sorted(r["stage_s"] for r in later)[len(later) // 2],
                "update_s_median": sorted(r["trainer.train_step"] for r in later)[len(later) // 2],
-               "tokens_per_step": later[-1]["tokens"], "model_build_s": round(build_s, 2)}
+               "tokens_per_step": later[-1]["tokens"], "model_build_s": round(build_s, 2),
+               "attention_path": trainer.attention_path}
     out = {"summary": summary, "steps": steps, "profile": profile,
            "command": "python benchmarks/train_stage.py " + " ".join(sys.argv[1:]),
            "config": vars(args), "model_shape": SMOLLM2_135M,

@@ -204,11 +204,15 @@ class TrainerConfig(BaseModel):
     )
     attention_kernel: Literal["auto", "varlen", "flash", "sdpa-default"] = Field(
         default="auto",
-        description="Kernel of the packed rows' causal attention (one SDPA call per row). 'flash' (= 'auto'): "
-        "PyTorch's FlashAttention-2 first, memory-efficient attention next, cuDNN and math last. "
-        "'sdpa-default': PyTorch's own order, which picks cuDNN attention on Hopper; cuDNN builds an execution "
-        "plan for every new sequence length (~1.8 ms of host time per call, and GRPO rows are new lengths "
-        "every step): H200, 1.5B, 16k-token micro-batches: see benchmarks/results/training-h200.md.",
+        description="Kernel of the packed rows' causal attention on CUDA (backends/training/packed_attention.py). "
+        "'varlen': ONE FlashAttention varlen call per layer over all rows of a micro-batch "
+        "(torch.nn.attention.varlen, torch >= 2.10, bf16/fp16; an error where it cannot run). 'flash': one SDPA "
+        "call per row, PyTorch's FlashAttention-2 first, memory-efficient attention next, cuDNN and math last. "
+        "'sdpa-default': one SDPA call per row in PyTorch's own order, which picks cuDNN attention on Hopper; "
+        "cuDNN builds an execution plan for every new sequence length (~1.8 ms of host time per call, and GRPO "
+        "rows are new lengths every step): benchmarks/results/training-h200.md. 'auto': 'varlen' where it can run, "
+        "else 'flash'. The CPU ignores it: one SDPA call per row (a block-diagonal mask was 3x slower, "
+        "benchmarks/results/packed-attention-cpu.md).",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,
