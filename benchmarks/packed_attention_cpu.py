@@ -10,9 +10,14 @@ on random weights of SmolLM2-135M's shape in fp32 (the CPU's dtype), with the ro
    ``backends/training/packed_attention.py`` runs it) vs ``mask`` (one SDPA call, the [L, L] block-diagonal causal
    mask built once). Milliseconds of process CPU time per call (min and median of repeats: CPU time, not wall
    time, because the machine is shared and wall time counts the other processes' turns).
-2. ``update``: `GRPOTrainer.train_step` on the main job's rows, the trainer's attention function replaced by one
-   that runs ``mask`` when asked (registered over ``trajflow_varlen``), the two alternating step by step; the first
-   round is a warm-up. Seconds of process CPU time and of wall time per update.
+2. ``decoder``: the trainer's decoder forward + backward (LoRA gradients; no vocabulary projection, which is the
+   same for both and the largest part of an update) over all micro-batches of the main job's step, the trainer's
+   attention function replaced by one that runs ``mask`` when asked (registered over ``trajflow_varlen``).
+3. ``update``: `GRPOTrainer.train_step` on those rows, the same switch.
+
+In 2 and 3 the two alternate round by round (the order flipping each round) and the first round is a warm-up; seconds
+of process CPU time and of wall time. ``--threads 1`` keeps a loaded machine's other processes from stretching the
+CPU time of a thread that waits for its partner.
 
 Also the largest difference of the trained tokens' logprobs between the two on the first micro-batch.
 
@@ -112,11 +117,13 @@ def layer_times(lengths, repeats: int, calls: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=4, help="timed update rounds, one update per variant each")
+    ap.add_argument("--rounds", type=int, default=5, help="timed decoder rounds, one pass per variant each")
     ap.add_argument("--layer-repeats", type=int, default=7)
     ap.add_argument("--groups", type=int, default=6)
     ap.add_argument("--group-size", type=int, default=6)
     ap.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--update-rounds", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -128,6 +135,8 @@ def main() -> None:
     from backends.training.token_rows import build_rows
     from backends.training.trainer import GRPOTrainer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = {**SMOLLM2_135M, "num_hidden_layers": args.layers}
     model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
@@ -149,26 +158,38 @@ def main() -> None:
             logprobs[variant] = trainer._token_logprobs(batches[0])[0]
     max_diff = float((logprobs["rows"] - logprobs["mask"]).abs().max())
 
-    update: dict[str, dict[str, list[float]]] = {"cpu_s": {v: [] for v in VARIANTS}, "wall_s": {v: [] for v in VARIANTS}}
-    for rnd in range(args.rounds + 1):
-        for variant in (VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]):
-            switch.use_mask = variant == "mask"
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            trainer.train_step(groups)
-            cpu, wall = round(time.process_time() - cpu0, 3), round(time.perf_counter() - wall0, 3)
-            if rnd:
-                update["cpu_s"][variant].append(cpu)
-                update["wall_s"][variant].append(wall)
-            print(json.dumps({"round": rnd, "variant": variant, "cpu_s": cpu, "wall_s": wall}), flush=True)
+    def decoder_pass():
+        for mb in batches:
+            trainer._hidden(mb).square().mean().backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    def update():
+        trainer.train_step(groups)
+
+    timed: dict[str, dict[str, dict[str, list[float]]]] = {}
+    trainer.model.train()
+    for what, fn, rounds in (("decoder", decoder_pass, args.rounds), ("update", update, args.update_rounds)):
+        timed[what] = {"cpu_s": {v: [] for v in VARIANTS}, "wall_s": {v: [] for v in VARIANTS}}
+        for rnd in range(rounds + 1):
+            for variant in (VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]):
+                switch.use_mask = variant == "mask"
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                fn()
+                cpu, wall = round(time.process_time() - cpu0, 3), round(time.perf_counter() - wall0, 3)
+                if rnd:
+                    timed[what]["cpu_s"][variant].append(cpu)
+                    timed[what]["wall_s"][variant].append(wall)
+                print(json.dumps({what: rnd, "variant": variant, "cpu_s": cpu, "wall_s": wall}), flush=True)
 
     summary = {"tokens_per_step": sum(b.tokens for b in batches), "micro_batches": len(batches),
                "rows_per_step": len(rows), "layer_cpu_ms_min": layer["cpu_ms_min"],
                "max_logprob_diff_rows_vs_mask": max_diff}
-    for what, by_variant in update.items():
-        summary[f"update_{what}_min"] = {v: min(t) for v, t in by_variant.items()}
-        summary[f"update_{what}_median"] = {v: statistics.median(t) for v, t in by_variant.items()}
-    summary["faster"] = min(VARIANTS, key=lambda v: summary["update_cpu_s_median"][v])
-    out = {"summary": summary, "layer": layer, "update": update,
+    for what, clocks in timed.items():
+        for clock, by_variant in clocks.items():
+            if all(by_variant.values()):
+                summary[f"{what}_{clock}_min"] = {v: min(t) for v, t in by_variant.items()}
+                summary[f"{what}_{clock}_median"] = {v: statistics.median(t) for v, t in by_variant.items()}
+    out = {"summary": summary, "layer": layer, **timed,
            "command": "python benchmarks/packed_attention_cpu.py " + " ".join(sys.argv[1:]), "config": vars(args),
            "model_shape": shape,
            "environment": {"python": platform.python_version(), "torch": torch.__version__,

@@ -1,7 +1,7 @@
 """GPU check of the packed attention's ``varlen`` path (ONE FlashAttention varlen call per layer) against the ``rows``
 path it replaces (one SDPA call per packed row per layer), then the train stage's time with each. One command:
 
-    python benchmarks/varlen_check.py --out $OUT/varlen-h200.json     # H200: ~2 min; also writes $OUT/train-stage-*.json
+    python benchmarks/varlen_check.py --out $OUT/varlen-h200.json   # H200, ~2 min; also $OUT/train-stage-*.json|.log
     .venv/bin/python benchmarks/varlen_check.py --device cpu --smoke --out /tmp/varlen-smoke.json   # the script runs
 
 1. **Same numbers.** SmolLM2-135M's shape (30 layers, 9 query / 3 key-value heads) on random weights, the trainer as
@@ -19,7 +19,7 @@ path it replaces (one SDPA call per packed row per layer), then the train stage'
    scale (logprobs: 1e-3 nats; gradients: 1e-3 relative). A wrong span, a lost causal mask or a mis-mapped GQA head
    moves logprobs by whole nats and gradients by O(1) relative: orders of magnitude past that.
 2. **Time.** `benchmarks/train_stage.py` (the flow's train stage at the main job's shape) in a fresh process per path:
-   ``--attention-kernel flash`` (the rows path: before) then ``auto`` (varlen: after), 5 steps each, step 5 profiled
+   ``--attention-kernel flash`` (the rows path: before) then ``auto`` (varlen: after), 4 steps each, step 4 profiled
    (attention calls, kernel launches, device time). Their JSONs and logs are written beside ``--out``.
 
 Writes ``--out`` with ``"check"`` (errors, pass/fail) and ``"summary"`` (update and stage seconds before/after,
@@ -72,8 +72,8 @@ def errors(logp, grads, ref_logp, ref_grads) -> dict:
     rel = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)) for n, g in grads.items()}
     worst = max(rel, key=rel.get)
     return {"logprob_mean_abs": float(diff.mean()), "logprob_max_abs": float(diff.max()),
-            "grad_rel_max": rel[worst], "grad_rel_max_tensor": worst, "grad_rel_median": sorted(rel.values())[len(rel) // 2],
-            "tensors": len(rel)}
+            "grad_rel_max": rel[worst], "grad_rel_max_tensor": worst,
+            "grad_rel_median": sorted(rel.values())[len(rel) // 2], "tensors": len(rel)}
 
 
 def check(device: str, layers: int, groups: int) -> dict:
@@ -139,7 +139,7 @@ def train_stage(device: str, kernel: str, out: Path, smoke: bool) -> dict:
     argv = [sys.executable, str(Path(__file__).with_name("train_stage.py")), "--device", device,
             "--attention-kernel", kernel, "--out", str(out)]
     argv += ["--steps", "2", "--groups", "2", "--group-size", "4", "--profile-step", "2"] if smoke else \
-        ["--steps", "5", "--profile-step", "5"]
+        ["--steps", "4", "--profile-step", "4"]
     with out.with_suffix(".log").open("w") as log:  # its per-step lines and profiler tables
         subprocess.run(argv, check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(out.read_text())

@@ -211,8 +211,8 @@ class TrainerConfig(BaseModel):
         "'sdpa-default': one SDPA call per row in PyTorch's own order, which picks cuDNN attention on Hopper; "
         "cuDNN builds an execution plan for every new sequence length (~1.8 ms of host time per call, and GRPO "
         "rows are new lengths every step): benchmarks/results/training-h200.md. 'auto': 'varlen' where it can run, "
-        "else 'flash'. The CPU ignores it: one SDPA call per row (a block-diagonal mask was 3x slower, "
-        "benchmarks/results/packed-attention-cpu.md).",
+        "else 'flash'. The CPU ignores it: one SDPA call per row (one call per layer with a block-diagonal mask "
+        "was 3.7x slower per layer, the update 1.16x: benchmarks/results/packed-attention-cpu.md).",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

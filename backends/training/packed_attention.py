@@ -13,7 +13,7 @@ which is what row ``r`` alone computes. Two ways to run it, each exact up to the
 2. ``rows``: one SDPA call per row on its slice of q/k/v (``is_causal``), then a cat: R calls per layer plus the
    slices, the cat and their backward. Any device; which SDPA kernel runs is the trainer's ``attention_kernel``.
    The CPU runs this: one SDPA call per layer with a block-diagonal causal mask computes ``L^2`` scores instead of
-   ``sum(n_r^2)`` and measured 3x slower per layer at the main job's 512-token micro-batches
+   ``sum(n_r^2)`` and measured 3.7x slower per layer (the update 1.16x) at the main job's 512-token micro-batches
    (benchmarks/results/packed-attention-cpu.md).
 
 Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype). The

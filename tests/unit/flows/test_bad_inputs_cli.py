@@ -38,6 +38,8 @@ CASES = [
      "trainer: input should be a valid dictionary or instance of TrainerConfig, got 3"),
     ("model check", ["train", "--set", "trainer.lr_schedule=cosine"], 2,
      "trainer: lr_schedule='cosine' needs total_steps"),
+    ("attention kernel misspelled", ["train", "--set", "trainer.attention_kernel=varln"], 2,
+     "trainer.attention_kernel: input should be 'auto', 'varlen', 'flash' or 'sdpa-default', got 'varln'"),
     ("vllm command empty", ["train", "--set", "inference.vllm_command=[]"], 2,
      "inference.vllm_command: the vLLM command must name an executable, got []"),
     ("vllm env not a list or mapping", ["train", "--set", "inference.vllm_env=3"], 2,

@@ -72,16 +72,19 @@ def _reference_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, 
     return dq, dk, dv
 
 
+_REGISTERED: list[bool] = []
+
+
 @pytest.fixture(scope="module")
 def cpu_varlen_kernel():
     """CPU kernels for the operators under torch's varlen_attn (registered once per process: no CPU test calls it
     otherwise, where it could only fail)."""
     from torch.nn.attention import varlen
 
-    for op, kernel in ((varlen._varlen_attn, _reference_varlen),
-                       (varlen._varlen_attn_backward, _reference_varlen_backward)):
-        if "cpu" not in op._backend_fns:
-            op.register_kernel("cpu", kernel)
+    if not _REGISTERED:
+        varlen._varlen_attn.register_kernel("cpu", _reference_varlen)
+        varlen._varlen_attn_backward.register_kernel("cpu", _reference_varlen_backward)
+        _REGISTERED.append(True)
 
 
 def _rows(vocab: int) -> list[TrainingRow]:
