@@ -86,24 +86,19 @@ def main() -> None:
 
     import torch
     from torch.autograd import DeviceType
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import backends.policy.checkpoints as checkpoints
     from backends.modeling.loading import build_tiny_tokenizer
     from backends.training.config import TrainerConfig
     from backends.training.trainer import GRPOTrainer
+    from benchmarks.training import build_model
     from storage.store import RunStore
 
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     started = time.perf_counter()
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device(args.device):
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation="sdpa")).eval()
-    torch.set_default_dtype(old)
+    model = build_model(SMOLLM2_135M, args.device, dtype, family="llama")
     cfg = TrainerConfig(learning_rate=2e-4, lora_rank=8, lora_alpha=16, seed=0,  # configs/default.yaml's trainer
                         attention_kernel=args.attention_kernel)
     trainer = GRPOTrainer("bench", cfg, device=args.device, model=model, tokenizer=build_tiny_tokenizer())

@@ -65,16 +65,19 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
 
 
-def build_model(shape: dict, device: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_model(shape: dict, device: str, dtype: torch.dtype, seed: int = 0, family: str = "qwen2"):
+    """Random weights of `shape` for a `family` ("qwen2" or "llama") decoder, built in `dtype` on `device`."""
+    import transformers
 
-    cfg = Qwen2Config(**shape, attn_implementation="sdpa")
+    config_cls, model_cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+    cfg = getattr(transformers, config_cls)(**shape, attn_implementation="sdpa")
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg)
+            model = getattr(transformers, model_cls)(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval()

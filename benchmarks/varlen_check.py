@@ -78,15 +78,13 @@ def errors(logp, grads, ref_logp, ref_grads) -> dict:
 
 def check(device: str, layers: int, groups: int) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from backends.training.token_rows import build_rows
+    from benchmarks.training import build_model
 
     cuda = device.startswith("cuda")
     shape = {**SMOLLM2_135M, "num_hidden_layers": layers}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model32 = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
+    model32 = build_model(shape, device, torch.float32, family="llama")
     model16 = copy.deepcopy(model32).to(torch.bfloat16 if cuda else torch.float32)  # before peft wraps model32
     trainer32 = build_trainer(model32, device, "float32")
     trainer16 = build_trainer(model16, device, "auto")
