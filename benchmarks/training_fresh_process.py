@@ -49,6 +49,7 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "defaults+warm-up": {},
     "no-warm-up": {"warm_up": "off"},
     "sdpa-default+warm-up": {"attention_kernel": "sdpa-default"},
+    "flash+warm-up": {"attention_kernel": "flash"},  # one SDPA call per packed row (auto is varlen on CUDA)
 }
 
 
