@@ -207,8 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", help="the host's torch (major.minor); must match the list's '# torch:' line")
     ap.add_argument("--list", action="append", default=[], type=Path, help="another wheel list (repeatable)")
     ap.add_argument("--out", type=Path, help="output folder (cache/ and part-NN/ inside; keep it git-ignored)")
-    ap.add_argument("--part-mib", type=float, default=59.6, help=(
-        "largest part; the device tool carries 64 MiB a call, the ~2 MiB working tree included"))
+    ap.add_argument("--part-mib", type=float, default=54.0, help=(
+        "largest part; the device tool carries 64 MiB a call, the working tree (~5 MiB) included"))
     ap.add_argument("--draft", action="store_true", help="write wheels-vllm-<vllm>.txt from pip's resolution")
     args = ap.parse_args(argv)
 
