@@ -1,8 +1,10 @@
 """vLLM killed mid-step, for real: the rollouts task fails naming vLLM, its retry restarts vLLM, the run finishes.
 
-One ``trajflow train`` with ``inference.backend: vllm``. As soon as step ``--kill-at`` has stored its first rollout
-group (``steps/<K>/groups/*.parquet``; the others are in flight), every process of the vLLM the flow launched gets
-SIGKILL (its process group: the API server and its engine core). Then the flow is left alone until it exits.
+One ``trajflow train`` with ``inference.backend: vllm``. ``--kill-delay-s`` after step ``--kill-at`` has stored its
+scenarios (``steps/<K>/scenarios.json``: its rollouts start right after), every process of the vLLM the flow launched
+gets SIGKILL (its process group: the API server and its engine core; found before the wait, so the kill itself is
+immediate). Then the flow is left alone until it exits. A step's rollouts on the H200 take ~1.7 s (256 at once) and
+its group files are written as the groups finish, nearly together, so waiting for the first group file kills too late.
 Recorded (JSON + md): when the kill came, how many groups were stored then, when a new vLLM was spawned, when step
 K committed, the flow's exit code, the committed steps, step K's ``rollouts/reused_groups``, and the flow's log
 lines that name the failure and the restart.
@@ -121,22 +123,27 @@ def run_check(args, work: Path) -> dict:
     cmd = flow_command(args, storage) + extra
     log_path = work / "flow.log"
     store = RunStore(str(storage), "trajflow", "vllm-kill")
-    groups_dir = storage / "trajflow" / "vllm-kill" / "steps" / f"{args.kill_at:05d}" / "groups"
-    events: dict = {"command": " ".join(cmd[1:])}
+    step_dir = storage / "trajflow" / "vllm-kill" / "steps" / f"{args.kill_at:05d}"
+    groups_dir = step_dir / "groups"
+    events: dict = {"command": " ".join(cmd[1:]), "kill_at": args.kill_at}
     started = time.time()
     with open(log_path, "w") as log:
         flow = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            while flow.poll() is None and not list(groups_dir.glob("*.parquet")):
+            leaders = []
+            while flow.poll() is None and not (step_dir / "scenarios.json").exists():
                 if time.time() - started > args.timeout_s:
-                    raise SystemExit(f"step {args.kill_at} stored no group within {args.timeout_s} s; log: {log_path}")
-                time.sleep(0.02)
+                    raise SystemExit(f"step {args.kill_at} sampled nothing within {args.timeout_s} s; log: {log_path}")
+                if args.kill_at in store.committed_steps() or (args.kill_at - 1) in store.committed_steps():
+                    leaders = leaders or vllm_leaders(flow.pid)  # vLLM is up once a step has committed
+                time.sleep(0.01)
             if flow.poll() is not None:
                 raise SystemExit(f"the flow exited ({flow.returncode}) before step {args.kill_at}'s rollouts; "
                                  f"log tail:\n{log_path.read_text()[-3000:]}")
-            leaders = vllm_leaders(flow.pid)
+            leaders = leaders or vllm_leaders(flow.pid)
             if not leaders:
                 raise SystemExit("found no `serve` process group under the flow to kill")
+            time.sleep(args.kill_delay_s)
             for pid in leaders:
                 os.killpg(pid, signal.SIGKILL)
             events.update(kill_s=time.time() - started, killed_groups=leaders,
@@ -161,6 +168,14 @@ def run_check(args, work: Path) -> dict:
     events["reused_groups_at_kill_step"] = metrics.get("rollouts/reused_groups")
     events["step_metrics_at_kill_step"] = {k: v for k, v in metrics.items() if k.startswith(("time/", "rollouts/"))}
     lines = log_path.read_text(errors="replace").splitlines()
+    # the flow's own log file (task states included) is named in its closing summary: "  log  <path>"
+    flow_logs = [Path(line.split(None, 1)[1]) for line in lines if line.strip().startswith("log ")]
+    if flow_logs and flow_logs[-1].is_file():
+        lines = flow_logs[-1].read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("=== ")]  # the file keeps earlier runs too
+        lines = lines[starts[-1]:] if starts else lines
+    task = f"'rollouts-step-{args.kill_at}'"
+    events["rollouts_task_states"] = [line.split(task, 1)[1].strip(" :-")[:200] for line in lines if task in line]
     events["log_lines"] = [line[:400] for line in lines
                            if any(w in line.lower() for w in ("vllm", "retry", "restart", "exit code", "crashed"))][-40:]
     return events
@@ -172,10 +187,11 @@ def write_report(result: dict, out: Path) -> None:
     s = result["summary"]
     lines = [f"# vLLM killed mid-step ({result['date']})", "", f"    {result['argv']}", "",
              f"Flow: `{result['events']['command']}`", "",
-             "| recovered | flow exit code | killed at s | groups stored at kill | new vLLM spawned at s | step committed "
-             "at s | groups reused | committed steps |", "|---|---:|---:|---:|---:|---:|---:|---|",
-             f"| {s['recovered']} | {s['rc']} | {s['kill_s']} | {s['groups_stored_at_kill']} of {s['groups_per_step']} | "
+             "| recovered | rollouts task failed | flow exit code | killed at s | groups stored at kill | new vLLM spawned at s | step committed "
+             "at s | groups reused | committed steps |", "|---|---|---:|---:|---:|---:|---:|---:|---|",
+             f"| {s['recovered']} | {s['rollouts_task_failed']} | {s['rc']} | {s['kill_s']} | {s['groups_stored_at_kill']} of {s['groups_per_step']} | "
              f"{s['respawn_s']} | {s['commit_s']} | {s['reused_groups']} | {s['committed_steps']} |", "",
+             f"States of step {result['events']['kill_at']}'s rollouts task: {result['events']['rollouts_task_states']}", "",
              "The flow's log lines that name vLLM, a retry or a restart:", "", "```",
              *result["events"]["log_lines"], "```", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
@@ -190,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=None, help="rollouts in flight (default: all of a step)")
+    ap.add_argument("--kill-delay-s", type=float, default=0.5, help="from step K's scenarios to the kill")
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--set", action="append", default=[], help="more run-config overrides (repeatable)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, trajflow serve wrapped as vllm")
@@ -197,15 +214,17 @@ def main(argv=None) -> int:
     if args.smoke:
         # one group in flight at a time, so the kill lands while the step's later groups are still to come
         args.config, args.groups, args.group_size, args.concurrency = "configs/tiny.yaml", 6, 4, 4
+        args.kill_delay_s = 0.0
     if not 1 <= args.kill_at <= args.steps:
         ap.error(f"--kill-at must be a step of the run (1..{args.steps})")
     with tempfile.TemporaryDirectory(prefix="vllm-kill-") as tmp:
         events = run_check(args, Path(tmp))
     recovered = events["rc"] == 0 and events["committed_steps"][-1:] == [args.steps]
-    mid_rollouts = events["groups_stored_at_kill"] < args.groups
+    # the step's rollouts task failed (and was retried) rather than finishing before the kill
+    mid_rollouts = any("Completed" not in state for state in events["rollouts_task_states"])
     summary = {"recovered": recovered, "rc": events["rc"], "kill_s": round(events["kill_s"], 1),
                "groups_stored_at_kill": events["groups_stored_at_kill"], "groups_per_step": args.groups,
-               "killed_mid_rollouts": mid_rollouts, "respawn_s": round(events["respawn_s"], 1) if "respawn_s" in events else None,
+               "rollouts_task_failed": mid_rollouts, "respawn_s": round(events["respawn_s"], 1) if "respawn_s" in events else None,
                "commit_s": round(events["commit_s"], 1) if "commit_s" in events else None,
                "reused_groups": events["reused_groups_at_kill_step"], "committed_steps": events["committed_steps"]}
     result = {"summary": summary, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
