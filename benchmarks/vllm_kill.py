@@ -185,12 +185,13 @@ def write_report(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     s = result["summary"]
+    header = ("| recovered | rollouts task failed | flow exit code | killed at s | groups stored at kill | new vLLM spawned "
+              "at s | step committed at s | groups reused | committed steps |")
+    row = (f"| {s['recovered']} | {s['rollouts_task_failed']} | {s['rc']} | {s['kill_s']} | "
+           f"{s['groups_stored_at_kill']} of {s['groups_per_step']} | {s['respawn_s']} | {s['commit_s']} | "
+           f"{s['reused_groups']} | {s['committed_steps']} |")
     lines = [f"# vLLM killed mid-step ({result['date']})", "", f"    {result['argv']}", "",
-             f"Flow: `{result['events']['command']}`", "",
-             "| recovered | rollouts task failed | flow exit code | killed at s | groups stored at kill | new vLLM spawned at s | step committed "
-             "at s | groups reused | committed steps |", "|---|---|---:|---:|---:|---:|---:|---:|---|",
-             f"| {s['recovered']} | {s['rollouts_task_failed']} | {s['rc']} | {s['kill_s']} | {s['groups_stored_at_kill']} of {s['groups_per_step']} | "
-             f"{s['respawn_s']} | {s['commit_s']} | {s['reused_groups']} | {s['committed_steps']} |", "",
+             f"Flow: `{result['events']['command']}`", "", header, "|---|---|---:|---:|---:|---:|---:|---:|---|", row, "",
              f"States of step {result['events']['kill_at']}'s rollouts task: {result['events']['rollouts_task_states']}", "",
              "The flow's log lines that name vLLM, a retry or a restart:", "", "```",
              *result["events"]["log_lines"], "```", ""]
