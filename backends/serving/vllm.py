@@ -12,28 +12,21 @@ vllm.entrypoints.cli.main``), with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (so
 the caller's environment plus `VLLMConfig.env` (a None value removes a variable, e.g. the flow's ``PYTHONPATH``). The API key goes in the
 ``VLLM_API_KEY`` environment variable, which vLLM reads like ``--api-key``, so it never shows in ``ps`` or in our
 logs. Token ids come back per request: callers send ``extra_body={"return_token_ids": True}`` (the embedded server
-returns them always). `VLLMServer.start` waits for ``/health`` up to a deadline and, if vLLM exits or the deadline
-passes, raises `VLLMStartError` with the tail of vLLM's log; `stop` sends SIGTERM to vLLM's process group, then
-SIGKILL after a grace period. vLLM cannot run on the CPU-only machines this project is tested on: the tests run
+returns them always). Starting, the health wait (`VLLMStartError` with the tail of vLLM's log), noticing its death and
+stopping it are `ManagedServer`'s (`backends/serving/managed_process.py`), shared with the embedded server run as a
+process of its own. vLLM cannot run on the CPU-only machines this project is tested on: the tests run
 the launcher against a fake ``vllm`` executable and the dialect client against the embedded server.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backends.serving.inference_client import InferenceClient
+from backends.serving.managed_process import ManagedServer, ServerStartError, log_tail  # noqa: F401 - log_tail: API
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # Environment variables whose values are never logged: their names say they hold a credential.
@@ -88,14 +81,8 @@ class VLLMConfig(BaseModel):
         return command_argv(value)
 
 
-class VLLMStartError(RuntimeError):
+class VLLMStartError(ServerStartError):
     """vLLM exited or did not become healthy in time; the message ends with the tail of its log."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_command(cfg: VLLMConfig, port: int) -> list[str]:
@@ -138,129 +125,34 @@ def describe_env(env: dict[str, str | None]) -> str:
     return " ".join(f"{name}={shown(name, value)}" for name, value in env.items())
 
 
-def log_tail(path: Path, lines: int = 40, secret: str | None = None) -> str:
-    """Last `lines` lines of a log file, with `secret` masked."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"(no log at {path}: {e})"
-    tail = "\n".join(text.splitlines()[-lines:])
-    return tail.replace(secret, "***") if secret else tail
+class VLLMServer(ManagedServer):
+    """A vLLM server we launched (`start`/`stop`) or one already running (`attach`); the process rules are
+    `ManagedServer`'s (`backends/serving/managed_process.py`)."""
 
+    label = "vLLM"
+    start_error = VLLMStartError
+    log_prefix = "vllm-"
 
-class VLLMServer:
-    """A vLLM server we launched (`start`/`stop`) or one already running (`attach`)."""
-
-    def __init__(self, config: VLLMConfig):
+    def __init__(self, config: VLLMConfig, url: str | None = None):
+        super().__init__(host=config.host, port=config.port, api_key=config.api_key, log_path=config.log_path,
+                         startup_timeout_s=config.startup_timeout_s, stop_grace_s=config.stop_grace_s, url=url)
         self.config = config
-        self.port = config.port
-        self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = Path(config.log_path) if config.log_path else None
-        self._url: str | None = None
 
     @classmethod
-    def attach(cls, url: str, api_key: str | None = None) -> "VLLMServer":
+    def attach(cls, url: str, api_key: str | None = None) -> VLLMServer:
         """A handle on a server started elsewhere (`url` with or without /v1); `stop` leaves it running."""
-        server = cls(VLLMConfig(model="(attached)", api_key=api_key))
-        root = url.rstrip("/")
-        server._url = root[: -len("/v1")] if root.endswith("/v1") else root
-        return server
+        return cls(VLLMConfig(model="(attached)", api_key=api_key), url=url)
 
-    @property
-    def url(self) -> str:
-        if self._url is not None:
-            return self._url
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+    def argv(self, port: int) -> list[str]:
+        return build_command(self.config, port)
 
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
+    def environment(self, base: dict[str, str]) -> dict[str, str]:
+        return vllm_environment(self.config, base)
 
-    def client(self, timeout: float = 60) -> InferenceClient:
-        return InferenceClient(self.base_url, api_key=self.config.api_key, timeout=timeout)
+    def describe_start(self, argv: list[str]) -> str:
+        return (f"starting vLLM: {shlex.join(argv)} (env: {describe_env({RUNTIME_LORA_ENV: 'True', **self.config.env})}"
+                f"; log: {self.log_path})")
 
-    def start(self, wait: bool = True) -> "VLLMServer":
-        """Launch vLLM; with `wait`, return once /health answers (VLLMStartError with its log tail otherwise)."""
-        if self.process is not None:
-            raise RuntimeError("this VLLMServer was already started")
-        cfg = self.config
-        self.port = cfg.port or _free_port(cfg.host)
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        env = vllm_environment(cfg, dict(os.environ))
-        argv = build_command(cfg, self.port)
-        log.info("starting vLLM: %s (env: %s; log: %s)", shlex.join(argv),
-                 describe_env({RUNTIME_LORA_ENV: "True", **cfg.env}), self.log_path)
-        out = open(self.log_path, "ab")
-        try:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        except OSError as e:
-            raise VLLMStartError(f"cannot run {shlex.join(cfg.executable)!r}: {e} (is vLLM installed? set "
-                                 "inference.vllm_command to its executable, or pip install 'trajflow[vllm]')") from e
-        finally:
-            out.close()
-        if wait:
-            self.wait_healthy(cfg.startup_timeout_s)
-        return self
-
-    def wait_healthy(self, deadline_s: float) -> None:
-        """Poll /health; raise VLLMStartError (and stop the process) if it exits or the deadline passes."""
-        client = self.client(timeout=5)
-        end = time.monotonic() + deadline_s
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                code = self.process.returncode
-                self.process = None
-                raise VLLMStartError(f"vLLM exited with code {code} before becoming healthy; last log lines "
-                                     f"({self.log_path}):\n{self._tail()}")
-            if client.health_sync():
-                return
-            if time.monotonic() >= end:
-                self.stop()
-                raise VLLMStartError(f"vLLM did not answer {self.url}/health within {deadline_s} s; last log "
-                                     f"lines ({self.log_path}):\n{self._tail()}")
-            time.sleep(0.25)
-
-    def failure(self) -> str | None:
-        """None while the vLLM we launched runs (or for an attached one); once it has exited, a message naming its
-        pid, exit code and log tail."""
-        proc = self.process
-        if proc is None or proc.poll() is None:
-            return None
-        return (f"vLLM (pid {proc.pid}, {self.url}) exited with code {proc.returncode}; last log lines "
-                f"({self.log_path}):\n{self._tail()}")
-
-    def _tail(self) -> str:
-        return log_tail(self.log_path, secret=self.config.api_key) if self.log_path else "(no log)"
-
-    def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM vLLM's process group, SIGKILL after `grace_s` (default: the config's); returns the exit code
-        (None if attached)."""
-        grace_s = self.config.stop_grace_s if grace_s is None else grace_s
-        proc, self.process = self.process, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
-        return proc.returncode
-
-    def __enter__(self) -> "VLLMServer":
-        return self if self.process is not None or self._url is not None else self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def missing_hint(self, error: OSError) -> str:
+        return (f"cannot run {shlex.join(self.config.executable)!r}: {error} (is vLLM installed? set "
+                "inference.vllm_command to its executable, or pip install 'trajflow[vllm]')")
