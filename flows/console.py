@@ -4,7 +4,7 @@
   "Task run ... Finished" line per task, the temporary server's start and stop) and library warnings stay off
   it, as do Hugging Face's progress bars, unless ``--verbose``.
 - The run's log file, ``$TRAJFLOW_LOG_DIR/<project>/<run>.log`` (default: ``flow-logs/`` in trajflow's cache
-  folder, ``$TRAJFLOW_CACHE`` or ``~/.cache/trajflow``): all of it, Prefect's lines and tracebacks included,
+  folder, ``$TRAJFLOW_CACHE`` or ``~/.cache/trajflow``; ``tasks/support/run_logs.py``): all of it, Prefect's lines and tracebacks included,
   appended by every command on that run. It is a local file because a run's storage may be S3.
 - The Prefect UI: Prefect's records as always, and trajflow's lines: inside a flow run the ``trajflow`` logger
   gets Prefect's API handler (``send_trajflow_logs_to_prefect``), also on a worker that never ran these commands.
@@ -26,11 +26,10 @@ from prefect.logging.formatters import PrefectFormatter
 from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
 from prefect.utilities.urls import url_for
 
-from backends.modeling.loading import cache_root
+from tasks.support.run_logs import LOG_DIR_ENV, log_file_for  # noqa: F401 - the commands import them here
 
 log = logging.getLogger("trajflow")
 
-LOG_DIR_ENV = "TRAJFLOW_LOG_DIR"
 _QUIET_SOURCES = ("prefect", "py.warnings")  # logger names kept off the console unless --verbose
 _CONSOLE_FORMAT = logging.Formatter("%(asctime)s %(levelname)s trajflow: %(message)s", "%H:%M:%S")
 _FILE_FORMAT = PrefectFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -59,12 +58,6 @@ class _QuietFilter(logging.Filter, _Installed):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.name.startswith(_QUIET_SOURCES)
-
-
-def log_file_for(project: str, run: str) -> Path:
-    """The run's local log file (see the module docstring)."""
-    root = Path(os.environ.get(LOG_DIR_ENV) or cache_root() / "flow-logs")
-    return root.expanduser() / project / f"{run}.log"
 
 
 def _prefect_console_handlers() -> list[logging.Handler]:

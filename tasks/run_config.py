@@ -38,6 +38,12 @@ class InferenceConfig(BaseModel):
         "`vllm serve` (GPU); `url`: an already running server speaking the dialect",
     )
     url: str | None = Field(default=None, description="base URL (`…/v1`) when `backend=url`")
+    embedded_process: bool = Field(
+        default=False,
+        description="`backend=embedded`: run the server as a process of its own (`trajflow serve`, reached over HTTP "
+        "with a random key, restarted if it dies) instead of a thread of the flow's process. Worth it for the async "
+        "pipeline on a GPU, where the engine's and the trainer's Python otherwise take turns on one interpreter lock; "
+        "costs a second copy of the base weights and a process start (the default shares one copy with the trainer)")
     api_key_env: str = Field(default="TRAJFLOW_INFERENCE_API_KEY",
                              description="env var holding the server's API key; never put the key itself in config")
     device: str = Field(
@@ -82,6 +88,10 @@ class InferenceConfig(BaseModel):
         if self.replicas > 1 and self.backend == "url":
             raise ValueError(f"replicas={self.replicas} needs servers the run starts (backend embedded or vllm); "
                              "backend=url attaches to one server")
+        if self.embedded_process and self.backend != "embedded":
+            raise ValueError(f"embedded_process=true applies to backend=embedded; backend={self.backend} "
+                             + ("already runs as a process of its own" if self.backend == "vllm"
+                                else "attaches to a server started elsewhere"))
         return self
 
     @field_validator("vllm_command")

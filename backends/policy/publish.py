@@ -47,9 +47,15 @@ def sha256_file(path: Path) -> str:
     return sha256_local(str(path))[0]
 
 
+def adapter_cache(project: str, run: str) -> Path:
+    """The local folder where a run's published adapters are downloaded, one subfolder per step, for the inference
+    server to load (a server in another process must be allowed to read it)."""
+    return cache_root() / "adapters" / project / run
+
+
 def local_adapter(store, step: int, expected: dict[str, str] | None, project: str, run: str) -> Path:
     """Download the adapter of `step` into the local cache, reusing a copy whose hashes match."""
-    target = cache_root() / "adapters" / project / run / f"{step:05d}"
+    target = adapter_cache(project, run) / f"{step:05d}"
     if expected and target.exists() and all(
         (target / name).exists() and sha256_file(target / name) == digest for name, digest in expected.items()
     ):

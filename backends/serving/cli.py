@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                         "other places and URL schemes (http, ...) are refused")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                    help=f"largest request body in MiB; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20})")
+    p.add_argument("--quiet", action="store_true",
+                   help="no line per request (uvicorn's access log) and only its warnings: for a server a run starts, "
+                        "whose requests are counted elsewhere")
     p.set_defaults(func=serve)
 
 
@@ -141,7 +144,8 @@ def serve(args: argparse.Namespace) -> int:
           f"device {engine.device}{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     app = create_app(engine, api_key, sources, int(args.max_body_mb * 2**20))
     freeze_heap()
-    server = _server_class()(server_config(app, "info"))
+    server = _server_class()(server_config(app, "warning", access_log=False) if args.quiet
+                             else server_config(app, "info"))
     try:
         server.run(sockets=[sock])
     finally:

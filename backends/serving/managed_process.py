@@ -125,6 +125,7 @@ class ManagedServer:
                 raise self.start_error(self.missing_hint(e)) from e
         if wait:
             self.wait_healthy(self.startup_timeout_s)
+            log.info("%s (pid %d) answers at %s", self.label, self.process.pid, self.base_url)
         return self
 
     def wait_healthy(self, deadline_s: float) -> None:

@@ -20,7 +20,6 @@ the launcher against a fake ``vllm`` executable and the dialect client against t
 
 from __future__ import annotations
 
-import logging
 import re
 import shlex
 
@@ -31,8 +30,6 @@ from backends.serving.managed_process import ManagedServer, ServerStartError, lo
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # Environment variables whose values are never logged: their names say they hold a credential.
 SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
-
-log = logging.getLogger("trajflow")
 
 
 def command_argv(command: str | list[str]) -> list[str]:

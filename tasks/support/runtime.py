@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,6 +42,10 @@ class Runtime:
         self._lock = threading.RLock()
         self.stop_rollouts = threading.Event()  # set: rollouts running ahead of the trainer abandon their groups
         self.api_key = os.environ.get(config.inference.api_key_env) or None
+        if self.api_key is None and config.inference.embedded_process and config.inference.backend == "embedded":
+            # Another user of this machine could reach a server in its own process on loopback: it gets a key,
+            # which only this process and the server's environment hold.
+            self.api_key = secrets.token_urlsafe(32)
         self.base_urls: list[str] = []
         self.base_model_name: str | None = None
         self._tracker = None
@@ -79,8 +84,8 @@ class Runtime:
                 died = self.server_failure()
                 if died is None:
                     return list(self.base_urls)
-                # A vLLM that died (OOM, a crash, a kill) is started afresh; it has forgotten its adapters, which
-                # the rollouts reload from storage (tasks/rollouts.py) and publishing loads anyway.
+                # A server process that died (OOM, a crash, a kill) is started afresh; it has forgotten its
+                # adapters, which the rollouts reload from storage (tasks/rollouts.py) and publishing loads anyway.
                 log.warning("%s\nrestarting the inference servers", died)
                 self._stop_servers()
             inf = self.config.inference
@@ -92,7 +97,7 @@ class Runtime:
             placed = placement(self.config, visible_gpus())["inference"]
             try:
                 for i, device in enumerate(placed):
-                    server = self._start_server(device, inf.port + i if inf.port else 0)
+                    server = self._start_server(device, inf.port + i if inf.port else 0, i)
                     self._servers.append(server)
                     self.base_urls.append(server.base_url)
             except BaseException:
@@ -102,15 +107,19 @@ class Runtime:
                 log.info("inference: %d replicas on %s: %s", len(placed), ", ".join(placed), ", ".join(self.base_urls))
             return list(self.base_urls)
 
-    def _start_server(self, device: str, port: int):
+    def _start_server(self, device: str, port: int, replica: int):
+        """Replica `replica`: vLLM or the embedded server as a child process (both `ManagedServer`s, whose
+        `failure()` notices their death), or the embedded server on a thread of this process."""
         inf = self.config.inference
         if inf.backend == "vllm":
             from backends.serving.vllm import VLLMServer
             from tasks.support.vllm_launch import vllm_config
 
-            server = VLLMServer(vllm_config(self.config, self.api_key, device=device, port=port))
-            server.start()
-            return server
+            return VLLMServer(vllm_config(self.config, self.api_key, device=device, port=port, replica=replica)).start()
+        if inf.embedded_process:
+            from tasks.support.embedded_launch import embedded_process
+
+            return embedded_process(self.config, self.api_key, device, port, replica).start()
         from backends.serving.app import start_server
 
         return start_server(model=self.config.base_model, host=inf.host, port=port, api_key=self.api_key,
@@ -121,7 +130,8 @@ class Runtime:
         return self.base_urls[0] if self.base_urls else None
 
     def server_failure(self) -> str | None:
-        """Why a vLLM this runtime launched is gone (its exit code and log tail), or None while they all run."""
+        """Why a server process this runtime launched (vLLM, the embedded one in its own process) is gone (its exit
+        code and log tail), or None while they all run."""
         for server in self._servers:
             failure = getattr(server, "failure", None)
             reason = failure() if failure is not None else None
@@ -138,7 +148,7 @@ class Runtime:
     async def policy_client(self) -> AsyncIterator[Any]:
         """The policy client for the running event loop. On the process's shared loop (tasks/support/shared_loop.py)
         it is the runtime's own, kept open so that the next step reuses its connections, and replaced when the
-        servers' URLs change (a restarted vLLM); on any other loop a fresh one, closed on the way out."""
+        servers' URLs change (a restarted server process); on any other loop a fresh one, closed on the way out."""
         if not on_shared_loop():
             client = self.client()
             try:
@@ -146,7 +156,7 @@ class Runtime:
             finally:
                 await client.close()
             return
-        urls = tuple(await asyncio.to_thread(self.ensure_servers))  # a vLLM restart must not stall the shared loop
+        urls = tuple(await asyncio.to_thread(self.ensure_servers))  # a restart must not stall the shared loop
         if self._shared_client is not None and self._shared_client[0] != urls:
             await self._shared_client[1].close()
             self._shared_client = None

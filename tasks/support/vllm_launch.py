@@ -8,6 +8,7 @@
   environment, each of which must be set (a missing credential fails here, in one line, not in vLLM's log).
 - Port 0 means a free port, as for the embedded server.
 - The device: ``cuda:K`` becomes CUDA_VISIBLE_DEVICES (``tasks/support/placement.py``), unless ``vllm_env`` sets it.
+- The log: ``<run>.vllm-<replica>.log`` beside the run's log file (``tasks/support/run_logs.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from backends.modeling.loading import resolve_model
 from backends.serving.vllm import VLLMConfig
 from tasks.run_config import RunConfig
 from tasks.support.placement import cuda_visible
+from tasks.support.run_logs import server_log_file
 
 
 def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | None = None) -> dict[str, str | None]:
@@ -32,9 +34,9 @@ def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | 
 
 
 def vllm_config(config: RunConfig, api_key: str | None, device: str | None = None,
-                port: int | None = None) -> VLLMConfig:
-    """The launcher's config for this run's vLLM (module docstring) on `device` ('cuda:K'; None: vLLM's default) and
-    `port` (None: inference.port)."""
+                port: int | None = None, replica: int = 0) -> VLLMConfig:
+    """The launcher's config for replica `replica` of this run's vLLM (module docstring) on `device` ('cuda:K'; None:
+    vLLM's default) and `port` (None: inference.port)."""
     inf = config.inference
     spec = resolve_model(config.base_model)
     env = vllm_env(inf.vllm_env)
@@ -46,4 +48,5 @@ def vllm_config(config: RunConfig, api_key: str | None, device: str | None = Non
         max_lora_rank=inf.max_lora_rank, max_loras=inf.max_loras,
         gpu_memory_utilization=inf.gpu_memory_utilization, max_model_len=inf.max_model_len,
         tool_call_parser=inf.tool_call_parser, executable=inf.vllm_command, env=env,
+        log_path=str(server_log_file(config.project, config.run, "vllm", replica)),
     )
