@@ -43,3 +43,26 @@ class EchoAgent(BaseAgent):
 class AlwaysFails(EchoAgent):
     async def rollout(self, client, policy, scenario):
         raise ValueError(f"this agent cannot answer {scenario.id}")
+
+
+class KillsServerOnce(EchoAgent):
+    """EchoAgent that, in the first rollout sampled by `at_policy`, SIGKILLs the inference server processes of this
+    process's runtimes (tasks/support/runtime.py) and writes their pids to `marker`, once (the marker says it did)."""
+
+    def __init__(self, marker: str, at_policy: str, **kw):
+        super().__init__(**kw)
+        self.marker, self.at_policy = marker, at_policy
+
+    async def rollout(self, client, policy, scenario):
+        import os
+        import signal
+
+        from tasks.support.runtime import _RUNTIMES
+
+        if policy == self.at_policy and not os.path.exists(self.marker):
+            pids = [s.process.pid for rt in _RUNTIMES.values() for s in rt._servers if s.process is not None]
+            with open(self.marker, "w") as f:
+                f.write(" ".join(map(str, pids)))
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+        return await super().rollout(client, policy, scenario)

@@ -5,8 +5,8 @@ Shared by `vllm serve` (`backends/serving/vllm.py`) and the embedded server run 
 it in messages (`label`, `missing_hint`). The rules:
 
 - The port: the configured one, or (0) a free one found by binding port 0 and closing it just before the spawn.
-- Output: stdout and stderr appended to `log_path` (a temporary file when none is given), so a restarted server's
-  lines follow its predecessor's.
+- Output: stdout and stderr appended to `log_path` (a temporary file when none is given) after a line saying when
+  it started, so a restarted server's lines follow its predecessor's.
 - The API key travels in the child's environment, never on its command line (``ps`` shows that) and never in our
   logs; a log tail we quote has it masked.
 - `start` waits for ``GET /health`` until a deadline; if the child exits first, or the deadline passes (the child is
@@ -118,6 +118,8 @@ class ManagedServer:
         env = self.environment(dict(os.environ))
         log.info("%s", self.describe_start(argv))
         with open(self.log_path, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.label} ---\n".encode())
+            out.flush()
             try:
                 self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
