@@ -1,7 +1,10 @@
 """Synchronous loop vs the async pipeline (pipeline.max_off_policy_steps = 1, 2): throughput and learning, per seed.
 
 Each run is the real training flow (``python -m flows.train``: Prefect, embedded inference server on the GPU,
-the GRPO trainer in the same process, local storage), one after another so no two runs share the GPU. Per run:
+the GRPO trainer in the same process, local storage), one after another so no two runs share the GPU. With
+``--embedded-process`` every run sets ``inference.embedded_process=true``: the server runs as a process of its own, so
+its Python and the trainer's stop sharing one interpreter lock (recorded in each run, the summary and the .md; one
+runs folder per mode). Per run:
 
 - steps per hour = (N - 1) / (commit time of step N - commit time of step 1) x 3600 (from the manifests; step 1
   is left out: it pays the kernel compiles and the first loads, the same for every k);
@@ -29,6 +32,10 @@ outlives the calls, when ``--out`` does not).
         --out benchmarks/results/async-h200
     # CPU check that it runs end to end (tiny-random, 3 steps, one seed; no GPU figures):
     .venv/bin/python benchmarks/async_pipeline.py --smoke --out /tmp/async-smoke
+
+``--ks`` and ``--seeds`` pick the runs of one invocation, so seeds can run as processes side by side on one GPU (each
+with its own Prefect server; ``--no-report`` on each, then one ``--report``). Their steps per hour and GPU idle
+share are then those of a GPU the runs share: compare only runs measured the same way.
 """
 
 from __future__ import annotations
@@ -141,6 +148,8 @@ def flow_args(args, k: int, seed: int, storage: str) -> list[str]:
             "groups_per_step": args.groups, "group_size": args.group_size, "eval_every": args.eval_every,
             "eval_at_start": "true", "pipeline.max_off_policy_steps": k,
             "rollouts.concurrency": args.groups * args.group_size}
+    if args.embedded_process:
+        sets["inference.embedded_process"] = "true"
     if args.smoke:
         sets.update({"agent": "arithmetic", "base_model": "tiny-random", "eval_scenarios": 4,
                      "inference.device": "cpu", "training.device": "cpu", "trainer.lora_rank": 4,
@@ -169,7 +178,8 @@ def one_run(args, k: int, seed: int, storage: str, api: PrefectServer) -> dict:
                  if key.startswith(("time/", "val/reward", "train/reward", "pipeline/", "train/ratio",
                                     "train/mismatch_kl", "train/clip_fraction", "train/update_s"))}}
              for s, m in manifests.items()]
-    return {"k": k, "seed": seed, "wall_s": time.time() - started, "steps": steps,
+    return {"k": k, "seed": seed, "embedded_process": args.embedded_process, "wall_s": time.time() - started,
+            "steps": steps,
             "steps_per_hour": (args.steps - 1) / (tn - t1) * 3600,
             **gpu.between(t1, tn), "gpu_sampler": gpu.available, "command": " ".join(cmd[1:])}
 
@@ -208,7 +218,8 @@ def report(args, runs: list[dict], out: Path) -> dict:
                                          default=None)}
     names = {0: "sync", 1: "k1", 2: "k2"}
     summary: dict = {"seeds": sorted({r["seed"] for r in runs}), "steps": args.steps,
-                     "equal_wall_s": equal_wall, "smoke": args.smoke}
+                     "equal_wall_s": equal_wall, "smoke": args.smoke,
+                     "embedded_process": _one_server_mode(runs)}
     for k, stats in per_k.items():
         name = names.get(k, f"k{k}")
         summary[f"steps_per_hour_{name}"] = stats["steps_per_hour"]
@@ -227,7 +238,8 @@ def report(args, runs: list[dict], out: Path) -> dict:
 
     result = {"summary": summary, "per_k": {str(k): v for k, v in per_k.items()}, "runs": runs,
               "config": {"base": args.config, "groups_per_step": args.groups, "group_size": args.group_size,
-                         "steps": args.steps, "eval_every": args.eval_every, "sets": args.set},
+                         "steps": args.steps, "eval_every": args.eval_every, "sets": args.set,
+                         "embedded_process": summary["embedded_process"]},
               "environment": {"machine": platform.machine(), "cpus": os.cpu_count(),
                               "python": platform.python_version(), "torch": torch.__version__,
                               "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -237,6 +249,14 @@ def report(args, runs: list[dict], out: Path) -> dict:
     out.with_suffix(".png").write_bytes(_plot(by_k, names))
     out.with_suffix(".md").write_text(_markdown(result, names))
     return result
+
+
+def _one_server_mode(runs: list[dict]) -> bool:
+    """Whether the runs had the server in its own process; runs of both kinds in one report are refused."""
+    modes = {bool(r.get("embedded_process", False)) for r in runs}
+    if len(modes) > 1:
+        raise SystemExit("the runs folder mixes runs with and without --embedded-process: one folder per mode")
+    return modes.pop() if modes else False
 
 
 def _plot(by_k: dict, names: dict) -> bytes:
@@ -275,7 +295,8 @@ def _markdown(result: dict, names: dict) -> str:
              f"Machine: {env['cuda'] or 'no GPU'}, {env['cpus']} CPUs, Python {env['python']}, torch {env['torch']}. "
              f"Config: `{result['config']['base']}`, {result['config']['groups_per_step']} groups x "
              f"{result['config']['group_size']} rollouts per step, {result['config']['steps']} steps, evaluation every "
-             f"{result['config']['eval_every']} steps; seeds {s['seeds']}." + (" SMOKE RUN (CPU, tiny-random): the "
+             f"{result['config']['eval_every']} steps; seeds {s['seeds']}; inference server "
+             f"{'in its own process' if s['embedded_process'] else 'on a thread of the flow'}." + (" SMOKE RUN (CPU, tiny-random): the "
                                                                               "figures say nothing." if s["smoke"] else ""),
              "", "| k | steps/hour | speedup | GPU idle share | GPU util mean | val reward at step N (mean ± sd) | "
                  "val reward at equal wall time | rollouts wait s/step | train s/step | max staleness |",
@@ -311,6 +332,10 @@ def main() -> int:
     parser.add_argument("--runs-dir", default=None, help="where finished runs are kept (default: <out>-runs)")
     parser.add_argument("--report", action="store_true", help="write the report from the runs there are")
     parser.add_argument("--smoke", action="store_true", help="CPU check: tiny-random, 3 steps, 2x2 rollouts, seed 0")
+    parser.add_argument("--embedded-process", action="store_true",
+                        help="every run with inference.embedded_process=true (the server in its own process)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="only the runs, no report (for invocations running side by side; then one --report)")
     args = parser.parse_args()
     if args.smoke:
         args.config, args.steps, args.groups, args.group_size, args.eval_every = "configs/tiny.yaml", 3, 2, 2, 1
@@ -321,6 +346,10 @@ def main() -> int:
     runs_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     todo = [(k, s) for s in args.seeds for k in args.ks if not (runs_dir / f"k{k}-seed{s}.json").exists()]
+    done = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("k*-seed*.json"))]
+    if any(bool(r.get("embedded_process", False)) != args.embedded_process for r in done):
+        raise SystemExit(f"{runs_dir} holds runs {'without' if args.embedded_process else 'with'} --embedded-process: "
+                         "give this mode a --runs-dir of its own")
     with tempfile.TemporaryDirectory(prefix="trajflow-async-") as tmp:
         if todo and not args.report:
             with PrefectServer(Path(tmp) / "prefect-home") as api:
@@ -334,7 +363,7 @@ def main() -> int:
                     print(f"k={k} seed={seed}: {run['steps_per_hour']:.1f} steps/hour, idle share "
                           f"{_fmt(run['gpu_idle_share'])}, val {_fmt(_val_at(run))}", flush=True)
     runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("k*-seed*.json"))]
-    if todo and not args.report:
+    if (todo and not args.report) or args.no_report:
         return 0
     result = report(args, runs, out)
     print(json.dumps(result["summary"], indent=2))
