@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--quiet", action="store_true",
                    help="no line per request (uvicorn's access log) and only its warnings: for a server a run starts, "
                         "whose requests are counted elsewhere")
+    p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="stop once PID, the process that started this one, is gone (a run's own server: a killed "
+                        "flow leaves none behind)")
     p.set_defaults(func=serve)
 
 
@@ -113,6 +116,11 @@ def serve(args: argparse.Namespace) -> int:
     from backends.serving.adapter_sources import AdapterSources
     from backends.serving.exposure import check_exposure
 
+    watch = None
+    if args.parent_pid is not None:
+        from backends.serving.parent_watch import ParentWatch
+
+        watch = ParentWatch(args.parent_pid)
     api_key = args.api_key or os.environ.get("TRAJFLOW_API_KEY") or None
     try:
         _check_values(args)
@@ -146,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     freeze_heap()
     server = _server_class()(server_config(app, "warning", access_log=False) if args.quiet
                              else server_config(app, "info"))
+    if watch is not None:
+        watch.stop_with(lambda: setattr(server, "should_exit", True))
     try:
         server.run(sockets=[sock])
     finally:

@@ -5,10 +5,12 @@ rollouts with training (the async pipeline) mostly takes turns on it. As a child
 interpreter of its own; the flow reaches it over HTTP in the same dialect as vLLM. The command::
 
     EXECUTABLE... serve --model FOLDER --served-name NAME --host H --port P --device D --max-loras N
-        --adapter-root DIR... --quiet
+        --adapter-root DIR... --quiet --parent-pid PID
 
 with the API key in ``TRAJFLOW_API_KEY`` (which ``trajflow serve`` reads), never on the command line, and this code's
 root at the front of ``PYTHONPATH``, so the child runs the same trajflow as its parent whatever its working folder.
+``--parent-pid`` (this process) ends it when the flow's process is gone (``parent_watch.py``): a SIGKILLed flow leaves no
+server holding the GPU.
 Spawning, the health wait, the log, death and stopping follow `ManagedServer` (``managed_process.py``).
 """
 
@@ -42,7 +44,7 @@ class EmbeddedServerProcess(ManagedServer):
         roots = [arg for root in self.adapter_roots for arg in ("--adapter-root", str(root))]
         return [*self.executable, "serve", "--model", self.model, "--served-name", self.served_name,
                 "--host", self.host, "--port", str(port), "--device", self.device,
-                "--max-loras", str(self.max_loras), *roots, "--quiet"]
+                "--max-loras", str(self.max_loras), *roots, "--quiet", "--parent-pid", str(os.getpid())]
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         env = dict(base)

@@ -107,3 +107,25 @@ def test_serve_answers_openai_and_stops_on_sigterm(tiny_model_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_server_whose_parent_is_killed_stops(tmp_path):
+    """--parent-pid: the launcher is SIGKILLed (as a flow can be) and its server, in a session of its own, goes too."""
+    import psutil
+
+    launcher = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', 'flows.cli', 'serve', "
+                "'--model', 'tiny-random', '--port', '0', '--parent-pid', str(os.getpid())], start_new_session=True, "
+                "stdout=subprocess.DEVNULL, stderr=open(sys.argv[1], 'w')); print(p.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher, str(tmp_path / "serve.log")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    if not gone:
+        child.kill()
+    assert gone, "the server outlived the process that started it"
+    assert f"the process that started it (pid {parent.pid}) is gone" in (tmp_path / "serve.log").read_text()
