@@ -1,6 +1,7 @@
 """The training flow with the embedded server in its own process (inference.embedded_process), tiny-random, on a
-real Prefect API: a separate process that the flow hot-loads and probes and stops at the end, at k=0 and k=1; killed
-with SIGKILL mid-rollouts, it fails the rollouts task with its exit code and log tail, and the retry restarts it."""
+real Prefect API: separate processes (one per replica) that the flow hot-loads and probes and stops at the end, at k=0
+and k=1; killed with SIGKILL mid-rollouts, it fails the rollouts task with its exit code and log tail, and the retry
+restarts it."""
 
 from __future__ import annotations
 
@@ -71,12 +72,14 @@ def _check_trained(config, sampled_by: dict[int, int]) -> None:
 def test_async_flow_with_the_server_in_its_own_process(prefect_api, tmp_path, tiny_model_path, run_log):
     from flows.train import train
 
-    config = _config(tmp_path, "pipeline.max_off_policy_steps=1")
+    config = _config(tmp_path, "pipeline.max_off_policy_steps=1", "inference.replicas=2")
     state = train(config, return_state=True)
     assert state.is_completed(), state
-    [pid] = _started(run_log)
-    assert pid != os.getpid() and _gone(pid)  # another process, stopped with the flow
+    pids = _started(run_log)
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # a process per replica, not this one
+    assert all(_gone(pid) for pid in pids)  # stopped with the flow
     _check_trained(config, {1: 0, 2: 0})  # k=1: step 2 sampled by @0
+    assert RunStore(config.storage, config.project, config.run).read_manifest(2).metrics["publish/replicas"] == 2
 
 
 def test_a_killed_server_fails_the_rollouts_task_and_the_retry_restarts_it(prefect_api, tmp_path, tiny_model_path,
