@@ -17,6 +17,8 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="trajflow-wandb-"))
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trajflow-trackio-"))
+# the run log files and the logs of the servers a run launches (tasks/support/run_logs.py), off the home folder
+os.environ.setdefault("TRAJFLOW_LOG_DIR", tempfile.mkdtemp(prefix="trajflow-logs-"))
 
 pytest_plugins = [f"tests.{name[:-3]}" for name in sorted(os.listdir(os.path.dirname(__file__)))
                   if name.startswith("fixtures_") and name.endswith(".py")]
