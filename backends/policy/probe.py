@@ -77,11 +77,12 @@ def probe_drafts(groups, prompt_ids: list[int] | None) -> list[list[int]]:
 def probe_record(trainer, prompt_ids: list[int] | None = None,
                  drafts: list[list[int]] = ()) -> tuple[dict[str, Any], int]:
     """What the publisher checks the server against: the trainer's greedy continuation of `prompt_ids`; and the
-    decoder forwards it took (the greedy tokens, `drafts` verified a chunk per forward, then one scoring pass)."""
+    decoder forwards it took (the greedy tokens, `drafts` and the context's repeats verified a chunk per forward,
+    then one scoring pass)."""
     source = "trained-turn"
     if not prompt_ids:
         prompt_ids, source, drafts = render_probe_messages(trainer.tokenizer), "probe-messages", ()
-    tokens, forwards = trainer.greedy_tokens(list(prompt_ids), PROBE_TOKENS, drafts)
+    tokens, forwards = trainer.greedy_tokens(list(prompt_ids), PROBE_TOKENS, drafts, lookup=True)
     logprobs = trainer.sequence_logprobs(list(prompt_ids), tokens)
     record = {"prompt_token_ids": list(prompt_ids), "token_ids": tokens, "logprobs": logprobs,
               "dtype": dtype_name(trainer), "source": source}

@@ -30,8 +30,19 @@ def next_chunk(drafts: Sequence[Sequence[int]], decided: list[int], limit: int) 
     return list(best[n:n + limit])
 
 
+def lookup_chunk(context: list[int], limit: int, longest: int = 3) -> list[int]:
+    """At most `limit` tokens that followed the latest earlier occurrence of `context`'s last n tokens, for n from
+    `longest` down to 1; [] when none occurs earlier."""
+    for n in range(min(longest, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + limit]
+    return []
+
+
 def verified_greedy(decode: Callable[[list[int], int, int], list[int]], prompt_ids: list[int], max_tokens: int,
-                    drafts: Sequence[Sequence[int]] = ()) -> tuple[list[int], int]:
+                    drafts: Sequence[Sequence[int]] = (), lookup: bool = False) -> tuple[list[int], int]:
     """`max_tokens` greedy tokens after `prompt_ids`, and the number of forwards taken.
 
     ``decode(ids, keep, last)`` cuts the cache back to its first `keep` tokens, runs `ids` through the model with it
@@ -40,7 +51,10 @@ def verified_greedy(decode: Callable[[list[int], int, int], list[int]], prompt_i
     pending, cached, forwards = list(prompt_ids), 0, 0
     while len(tokens) < max_tokens:
         # one token fewer than missing: the argmax after the last draft token is the final one
-        chunk = next_chunk(drafts, tokens, max_tokens - len(tokens) - 1)
+        limit = max_tokens - len(tokens) - 1
+        chunk = next_chunk(drafts, tokens, limit)
+        if not chunk and lookup and limit > 0:
+            chunk = lookup_chunk(list(prompt_ids) + tokens, limit)
         argmax = decode(pending + chunk, cached, len(chunk) + 1)
         forwards += 1
         accepted = 0

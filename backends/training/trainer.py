@@ -469,12 +469,12 @@ class GRPOTrainer:
         tokens, _ = self.greedy_tokens(prompt_ids, max_tokens, drafts)
         return tokens, self.sequence_logprobs(prompt_ids, tokens)
 
-    def greedy_tokens(self, prompt_ids: list[int], max_tokens: int,
-                      drafts: Sequence[Sequence[int]] = ()) -> tuple[list[int], int]:
+    def greedy_tokens(self, prompt_ids: list[int], max_tokens: int, drafts: Sequence[Sequence[int]] = (),
+                      lookup: bool = False) -> tuple[list[int], int]:
         """`max_tokens` argmax tokens of the float32 logits after `prompt_ids` (EOS does not stop it) and the number
         of decoder forwards taken. The same modules as training, decoded with a KV cache; `drafts` (token lists that
-        may continue the prompt, e.g. sampled answers to it) are verified a chunk per forward
-        (backends/training/draft_verification.py), else one forward per token. One intra-op thread on the CPU, as
+        may continue the prompt, e.g. sampled answers to it) and with `lookup` the context's own repeats are verified
+        a chunk per forward (backends/training/draft_verification.py), else one forward per token. One intra-op thread on the CPU, as
         `sequence_logprobs`."""
         if not prompt_ids or max_tokens < 1:
             raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
@@ -496,7 +496,7 @@ class GRPOTrainer:
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast(), single_thread_on_cpu(self.device):
-                return verified_greedy(decode, list(prompt_ids), max_tokens, drafts)
+                return verified_greedy(decode, list(prompt_ids), max_tokens, drafts, lookup)
         finally:
             self.model.train(was_training)
 

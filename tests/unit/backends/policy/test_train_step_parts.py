@@ -44,11 +44,11 @@ def test_a_step_times_its_parts_and_its_probe_record_verifies_the_sampled_answer
     parts = sum(m[k] for k in PARTS)
     assert parts <= m["train/stage_s"] < parts + 0.1  # the parts are the stage
     # the record: the same tokens and logprobs as decoding one token per forward, in fewer forwards:
-    # greedy[:12] verified in one forward, 4 more tokens one at a time, then the scoring pass
+    # greedy[:12] verified in one forward, 3 more tokens at most one forward each, then the scoring pass
     record = result["probe"]
     assert record["prompt_token_ids"] == short and record["token_ids"] == greedy
     token_by_token, forwards = probe.probe_record(trainer, short)
     assert record == token_by_token and forwards == probe.PROBE_TOKENS + 1
-    assert m["train/probe_forwards"] == 1 + (probe.PROBE_TOKENS - 13) + 1
+    assert 2 <= m["train/probe_forwards"] <= 1 + (probe.PROBE_TOKENS - 13) + 1
     # finished: the stored result comes back untouched, nothing is timed again
     assert checkpoints.train_step(store, 1, trainer, groups) == store.get_json(1, TRAINING_RESULT) == result

@@ -6,7 +6,7 @@ import torch
 
 from backends.modeling.logits import logits_fp32
 from backends.training.config import TrainerConfig
-from backends.training.draft_verification import next_chunk
+from backends.training.draft_verification import lookup_chunk, next_chunk
 from backends.training.packing import make_micro_batch
 from backends.training.token_rows import TrainingRow
 from backends.training.trainer import GRPOTrainer
@@ -35,7 +35,8 @@ def _one_forward_per_token(trainer, prompt, n):
     return ids[len(prompt):]
 
 
-PROMPTS = ([5, 17, 42, 7, 99, 3], [300, 2, 77], [11, 250, 13, 400, 8, 91, 35, 64, 120, 7, 7, 19])
+PROMPTS = ([5, 17, 42, 7, 99, 3], [300, 2, 77], [11, 250, 13, 400, 8, 91, 35, 64, 120, 7, 7, 19],
+           [8, 9, 10, 11] * 6)  # repeats: what the context lookup proposes
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -57,6 +58,8 @@ def test_drafts_give_the_tokens_of_one_forward_per_token_in_fewer_forwards(train
     for name, (drafts, forwards) in cases.items():
         tokens, taken = trainer.greedy_tokens(prompt, N, drafts)
         assert (tokens, taken) == (ref, forwards), name
+        tokens, taken = trainer.greedy_tokens(prompt, N, drafts, lookup=True)  # the context's repeats too
+        assert tokens == ref and taken <= forwards, name
     tokens, logprobs = trainer.greedy_continuation(prompt, N, [ref[:9]])
     assert tokens == ref and logprobs == trainer.sequence_logprobs(prompt, ref)
     assert trainer.model.training  # left as it was
@@ -68,3 +71,11 @@ def test_the_draft_verified_first_proposes_the_commonest_next_token_then_the_lon
     assert next_chunk(drafts, [], 2) == [1, 3]  # 1 three times
     assert next_chunk(drafts, [1, 3, 4, 5], 10) == [] and next_chunk(drafts, [7], 10) == []
     assert next_chunk(drafts, [1], 0) == []
+
+
+def test_the_context_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_its_longest_tail():
+    assert lookup_chunk([1, 2, 3, 4, 2, 3, 5, 6, 1, 2, 3], 2) == [4, 2]  # 1 2 3 before 4 2 (2 3: before 5 6)
+    assert lookup_chunk([2, 3, 5, 6, 2, 3, 7, 2, 3], 2) == [7, 2]  # the latest 2 3
+    assert lookup_chunk([1, 2, 3, 4, 7, 2, 3], 5) == [4, 7, 2, 3]  # 2 3 once before
+    assert lookup_chunk([4, 8, 9, 5, 4], 3) == [8, 9, 5]  # only the last token occurs earlier
+    assert lookup_chunk([1, 2, 3], 4) == [] and lookup_chunk([5], 4) == [] and lookup_chunk([], 4) == []
