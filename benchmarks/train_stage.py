@@ -3,9 +3,9 @@
 On the H200 the train stage of `configs/default.yaml` with 16 groups x 16 rollouts (benchmarks/results/async-h200.md)
 took 6.8 s per step, of which `train/update_s` 3.4 s, for ~256 rows of ~50 tokens (~13k tokens: about 0.1 s of
 arithmetic for a 135M model). This runs the product's own stage function (`backends.policy.checkpoints.train_step`:
-read the scored groups, the GRPO update, the policy-shift pass, checkpoint upload, the probe record, training.json)
-on a local run store and reports the parts it times itself (`train/groups_s`, `update_s`, `policy_shift_s`, `save_s`,
-`probe_record_s`, `stage_s`, and the probe record's decoder forwards `train/probe_forwards`), plus the store calls
+read the scored groups, the GRPO update, the probe record, the policy-shift pass, checkpoint upload, training.json)
+on a local run store and reports the parts it times itself (`train/groups_s`, `update_s`, `probe_record_s`, `policy_shift_s`,
+`save_s`, `stage_s`, and the probe record's decoder forwards `train/probe_forwards`), plus the store calls
 timed by wrapping them, on random weights of SmolLM2-135M's shape and rows of the arithmetic agent's lengths (prompt
 ~38 tokens shared by a group's 16 rows, completions of 1-16 tokens). The probe record verifies the sampled
 completions of its prompt as drafts: `--drafts greedy` (default) makes those of the probe prompt's group prefixes of

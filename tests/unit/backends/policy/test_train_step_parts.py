@@ -1,6 +1,6 @@
 """One training step's parts (backends/policy/checkpoints.py) on a real tiny-random trainer and a local run store:
 each part's seconds in the metrics, adding up to the stage; the probe record verifies the step's sampled completions
-of its prompt and records what the token-by-token record would."""
+of its prompt and records what the token-by-token record would; the policy shift reuses its logprobs."""
 
 import pytest
 
@@ -50,5 +50,10 @@ def test_a_step_times_its_parts_and_its_probe_record_verifies_the_sampled_answer
     token_by_token, forwards = probe.probe_record(trainer, short)
     assert record == token_by_token and forwards == probe.PROBE_TOKENS + 1
     assert 2 <= m["train/probe_forwards"] <= 1 + (probe.PROBE_TOKENS - 13) + 1
+    # the policy shift is read off the record: sampled[1] starts the greedy continuation (no forward of its own);
+    # without a record it scores the first trainable turn
+    assert m["train/probe_shift"] == max(abs(a + 2.0) for a in record["logprobs"][:12])
+    first = trainer.sequence_logprobs(short, sampled[0])
+    assert checkpoints.policy_shift(trainer, groups) == max(abs(a + 2.0) for a in first)
     # finished: the stored result comes back untouched, nothing is timed again
     assert checkpoints.train_step(store, 1, trainer, groups) == store.get_json(1, TRAINING_RESULT) == result
