@@ -3,10 +3,14 @@
 On the H200 the train stage of `configs/default.yaml` with 16 groups x 16 rollouts (benchmarks/results/async-h200.md)
 took 6.8 s per step, of which `train/update_s` 3.4 s, for ~256 rows of ~50 tokens (~13k tokens: about 0.1 s of
 arithmetic for a 135M model). This runs the product's own stage function (`backends.policy.checkpoints.train_step`:
-read the scored groups, the GRPO update, the policy-shift pass, checkpoint upload, the probe record, training.json)
-on a local run store, with each part timed by wrapping it (the code under test is not changed), on random weights of
-SmolLM2-135M's shape and rows of the arithmetic agent's lengths (prompt ~38 tokens shared by a group's 16 rows,
-completions of 1-16 tokens). `--profile-step K` adds torch.profiler's top operators for the update of step K, and
+read the scored groups, the GRPO update, the probe record, the policy-shift pass, checkpoint upload, training.json)
+on a local run store and reports the parts it times itself (`train/groups_s`, `update_s`, `probe_record_s`, `policy_shift_s`,
+`save_s`, `stage_s`, and the probe record's decoder forwards `train/probe_forwards`), plus the store calls
+timed by wrapping them, on random weights of SmolLM2-135M's shape and rows of the arithmetic agent's lengths (prompt
+~38 tokens shared by a group's 16 rows, completions of 1-16 tokens). The probe record verifies the sampled
+completions of its prompt as drafts: `--drafts greedy` (default) makes those of the probe prompt's group prefixes of
+the policy's greedy continuation, half of them with a different last token, as a trained policy's samples start
+(random weights sample nothing like their argmax); `--drafts random` keeps random tokens (no draft matches). `--profile-step K` adds torch.profiler's top operators for the update of step K, and
 the counts of its attention calls and kernel launches. `--attention-kernel flash` runs the packed attention as one SDPA
 call per row (the path before ONE varlen call per layer became the default: `TrainerConfig.attention_kernel`).
 
@@ -35,6 +39,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
+PARTS = ("train/groups_s", "train/update_s", "train/policy_shift_s", "train/save_s", "train/probe_record_s")
 PROFILED_CALLS = ("aten::_flash_attention_forward", "aten::_flash_attention_backward",
                   "aten::_scaled_dot_product_flash_attention", "aten::_efficient_attention_forward",
                   "aten::_cudnn_attention_forward", "cudaLaunchKernel", "SliceBackward0", "CatBackward0")
@@ -59,6 +64,22 @@ def arithmetic_groups(step: int, groups: int, group_size: int, vocab: int, promp
     return out
 
 
+def greedy_drafts(groups, trainer, max_new: int, seed: int) -> None:
+    """The probe prompt's group (the shortest prompt) answers with prefixes of the policy's greedy continuation, every
+    other one with a different last token: what the probe record finds in a trained policy's samples."""
+    from backends.policy.probe import PROBE_TOKENS
+
+    rng = random.Random(seed)
+    group = min(groups, key=lambda g: len(g.trajectories[0].messages_and_choices[0].prompt_token_ids))
+    prompt = group.trajectories[0].messages_and_choices[0].prompt_token_ids
+    greedy, _ = trainer.greedy_tokens(list(prompt), PROBE_TOKENS)
+    for i, traj in enumerate(group.trajectories):
+        turn = traj.messages_and_choices[0]
+        n = rng.randint(1, min(max_new, len(greedy)))
+        tokens = greedy[:n - 1] + [greedy[n - 1] if i % 2 == 0 else (greedy[n - 1] + 1) % trainer.vocab_size]
+        turn.token_ids, turn.logprobs = tokens, turn.logprobs[:1] * n
+
+
 def timed(times: dict, name: str, fn, sync):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
@@ -80,6 +101,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=38)
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--profile-step", type=int, default=0, help="torch.profiler over the update of this step (0: none)")
+    ap.add_argument("--drafts", default="greedy", choices=["greedy", "random"],
+                    help="the probe prompt's sampled answers: prefixes of the greedy continuation, or random tokens")
     ap.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "flash", "sdpa-default"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -113,12 +136,12 @@ def main() -> None:
             setattr(store, name, timed(times, f"store.{name}", getattr(store, name), sync))
         for name in ("train_step", "save_checkpoint"):
             setattr(trainer, name, timed(times, f"trainer.{name}", getattr(trainer, name), sync))
-        checkpoints.policy_shift = timed(times, "policy_shift", checkpoints.policy_shift, sync)
-        checkpoints.probe_record = timed(times, "probe_record", checkpoints.probe_record, sync)
         steps, profile = [], None
         for step in range(1, args.steps + 1):
             groups = arithmetic_groups(step, args.groups, args.group_size, SMOLLM2_135M["vocab_size"],
                                        args.prompt_tokens, args.max_new)
+            if args.drafts == "greedy":
+                greedy_drafts(groups, trainer, args.max_new, seed=step)
             times.clear()
             prof = None
             if step == args.profile_step:
@@ -139,17 +162,24 @@ def main() -> None:
                            "device_time_s": round(sum(e.self_device_time_total for e in events
                                                       if e.device_type == DeviceType.CUDA) / 1e6, 4)}
             m = result["metrics"]
-            row = {"step": step, "stage_s": round(total, 4), **{k: round(v, 4) for k, v in sorted(times.items())},
+            row = {"step": step, "stage_s": round(total, 4), **{k: round(m[k], 4) for k in PARTS},
+                   "probe_forwards": m["train/probe_forwards"],
+                   **{k: round(v, 4) for k, v in sorted(times.items())},
                    "tokens": m.get("train/tokens"), "micro_batches": m.get("train/micro_batches"),
-                   "update_step_time_s": round(m.get("train/step_time_s", 0.0), 4),
-                   "probe_record_s": round(m.get("train/probe_record_s", 0.0), 4)}
-            row["unaccounted_s"] = round(total - sum(times.values()), 4)
+                   "update_step_time_s": round(m.get("train/step_time_s", 0.0), 4)}
+            # the write of training.json and what train_step does between its parts
+            row["unaccounted_s"] = round(total - sum(m[k] for k in PARTS), 4)
             steps.append(row)
             print(json.dumps(row), flush=True)
 
     later = steps[1:] or steps
-    summary = {"stage_s_median": sorted(r["stage_s"] for r in later)[len(later) // 2],
-               "update_s_median": sorted(r["trainer.train_step"] for r in later)[len(later) // 2],
+
+    def median(key):
+        return sorted(r[key] for r in later)[len(later) // 2]
+
+    summary = {"stage_s_median": median("stage_s"), "update_s_median": median("trainer.train_step"),
+               **{f"{k.removeprefix('train/')}_median": median(k) for k in PARTS if k != "train/update_s"},
+               "probe_forwards_median": median("probe_forwards"), "drafts": args.drafts,
                "tokens_per_step": later[-1]["tokens"], "model_build_s": round(build_s, 2),
                "attention_path": trainer.attention_path}
     out = {"summary": summary, "steps": steps, "profile": profile,

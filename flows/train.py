@@ -59,7 +59,7 @@ from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.support.tracking import track_step
-from tasks.training import initialize_policy_fn, train_policy
+from tasks.training import initialize_policy_fn, train_policy, train_time_metrics
 
 log = logging.getLogger("trajflow")
 
@@ -177,6 +177,7 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
                 with timer("evaluate"):
                     metrics.update(with_run_storage(evaluate_policy)(config, step))
             metrics.update(timer.metrics())
+            metrics.update(train_time_metrics(config, step, timer.seconds["train"], training))
             crash_point("before-commit", step)
             lease.check(fresh=True)
             store.commit(step, metrics, extra={"policy": config.policy(step)})

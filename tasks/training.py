@@ -10,6 +10,7 @@ processes under torchrun (``tasks/support/distributed_training.py``), started fr
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import task
@@ -32,22 +33,57 @@ def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:
     return initialize(rt.store, rt.fresh_trainer)
 
 
+# seconds measured inside the train task's body in this process, per (project, run, step): train_time_metrics
+_BODY_SECONDS: dict[tuple[str, str, int], dict[str, float]] = {}
+
+
+def _body_seconds(config: RunConfig, step: int) -> dict[str, float]:
+    return _BODY_SECONDS.setdefault((config.project, config.run, step), {})
+
+
 def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
     """Load checkpoint step-1, train on the scored groups of `step`, upload checkpoint `step`."""
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
     finished = training_result(rt.store, step)
     if finished is not None:  # finished before a kill: never load a trainer, never train twice
         return finished
+    seconds = _body_seconds(config, step)
     if config.training.gpus > 1:
         train_distributed(config, step)
         result = training_result(rt.store, step)
         if result is None:
             raise RuntimeError(f"training step {step}: torchrun succeeded but rank 0 stored no training result")
+        seconds["trained"] = 1.0
         return result
-    result = train_step(rt.store, step, rt.trainer_at(step - 1), after_update=lambda s: crash_point("training", s),
+    started = time.perf_counter()
+    trainer = rt.trainer_at(step - 1)
+    seconds["load"] = time.perf_counter() - started
+    result = train_step(rt.store, step, trainer, after_update=lambda s: crash_point("training", s),
                         max_off_policy_steps=config.pipeline.max_off_policy_steps)
     rt.mark_trainer_step(step)
+    seconds["trained"] = 1.0
     return result
+
+
+def train_time_metrics(config: RunConfig, step: int, train_s: float, training: dict[str, Any]) -> dict[str, float]:
+    """The flow's train stage, ``time/train_s`` = `train_s`, split (the train/* parts are in `training`'s metrics):
+
+    - ``time/train_task_s``: the task's body in this process (0 when Prefect returned the cached result);
+    - ``time/train_orchestration_s`` = train_s - task: Prefect's task run around it (cache key and lookup, state
+      reports, result persistence);
+    - ``time/train_load_s``: putting the trainer at checkpoint step-1 (0 when it already holds it);
+    - ``time/train_other_s`` = task - load - ``train/stage_s``, when this body trained the step: the runtime and
+      finished-step look-ups, the write of training.json (with ``training.gpus`` > 1 or a deployment: starting and
+      waiting for the processes that train).
+    """
+    seconds = _BODY_SECONDS.pop((config.project, config.run, step), {})
+    task = seconds.get("task", 0.0)
+    out = {"time/train_task_s": task, "time/train_orchestration_s": train_s - task,
+           "time/train_load_s": seconds.get("load", 0.0)}
+    stage = (training.get("metrics") or {}).get("train/stage_s")
+    if seconds.get("trained") and stage is not None:
+        out["time/train_other_s"] = task - out["time/train_load_s"] - stage
+    return out
 
 
 def train_remote(config: RunConfig, step: int, *, attempts: int = DEFAULT_ATTEMPTS,
@@ -64,6 +100,10 @@ def train_remote(config: RunConfig, step: int, *, attempts: int = DEFAULT_ATTEMP
 @task(name="train", cache_key_fn=cache_key_fn("training"), retries=2, retry_delay_seconds=[10, 60],
       retry_condition_fn=retry_condition, persist_result=True, tags=["trajflow-train"])
 def train_policy(config: RunConfig, step: int) -> dict[str, Any]:
-    if config.training.mode == "deployment":
-        return train_remote(config, step)
-    return train_policy_fn(config, step)
+    started = time.perf_counter()
+    try:
+        if config.training.mode == "deployment":
+            return train_remote(config, step)
+        return train_policy_fn(config, step)
+    finally:
+        _body_seconds(config, step)["task"] = time.perf_counter() - started

@@ -3,7 +3,8 @@
 The probe record (``training.json["probe"]``, written with every checkpoint, step 0 included, wherever the
 trainer runs): prompt token ids the server itself rendered (the shortest prompt among the step's trainable
 turns, else PROBE_MESSAGES through the server's chat-template code), the trainer's greedy continuation of
-PROBE_TOKENS tokens and its raw logprob of each (`GRPOTrainer.greedy_continuation`), and the trainer's dtype.
+PROBE_TOKENS tokens and its raw logprob of each (`GRPOTrainer.greedy_tokens`, which verifies the step's sampled
+completions of that prompt as drafts: fewer forwards, the same tokens), and the trainer's dtype.
 
 Checks, strongest first:
 
@@ -63,14 +64,29 @@ def dtype_name(trainer) -> str:
     return str(getattr(trainer, "dtype", "torch.float32")).removeprefix("torch.")
 
 
-def probe_record(trainer, prompt_ids: list[int] | None = None) -> dict[str, Any]:
-    """What the publisher checks the server against: the trainer's greedy continuation of `prompt_ids`."""
+def probe_drafts(groups, prompt_ids: list[int] | None) -> list[list[int]]:
+    """The sampled completions of `prompt_ids` in `groups` (turns of trajectories without error): drafts that the
+    greedy continuation verifies a chunk per forward instead of decoding a token per forward."""
+    if not prompt_ids:
+        return []
+    prompt = list(prompt_ids)
+    return [list(turn.token_ids) for group in groups for traj in group.trajectories if not traj.error
+            for turn in traj.sampled_turns() if turn.token_ids and list(turn.prompt_token_ids) == prompt]
+
+
+def probe_record(trainer, prompt_ids: list[int] | None = None,
+                 drafts: list[list[int]] = ()) -> tuple[dict[str, Any], int]:
+    """What the publisher checks the server against: the trainer's greedy continuation of `prompt_ids`; and the
+    decoder forwards it took (the greedy tokens, `drafts` and the context's repeats verified a chunk per forward,
+    then one scoring pass)."""
     source = "trained-turn"
     if not prompt_ids:
-        prompt_ids, source = render_probe_messages(trainer.tokenizer), "probe-messages"
-    tokens, logprobs = trainer.greedy_continuation(list(prompt_ids), PROBE_TOKENS)
-    return {"prompt_token_ids": list(prompt_ids), "token_ids": tokens, "logprobs": logprobs,
-            "dtype": dtype_name(trainer), "source": source}
+        prompt_ids, source, drafts = render_probe_messages(trainer.tokenizer), "probe-messages", ()
+    tokens, forwards = trainer.greedy_tokens(list(prompt_ids), PROBE_TOKENS, drafts, lookup=True)
+    logprobs = trainer.sequence_logprobs(list(prompt_ids), tokens)
+    record = {"prompt_token_ids": list(prompt_ids), "token_ids": tokens, "logprobs": logprobs,
+              "dtype": dtype_name(trainer), "source": source}
+    return record, forwards + 1
 
 
 # ---- 1. against the record -------------------------------------------------------------------------------

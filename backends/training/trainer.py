@@ -47,6 +47,7 @@ from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
 from backends.training import distributed
 from backends.training.config import TrainerConfig
+from backends.training.draft_verification import verified_greedy
 from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
@@ -461,29 +462,43 @@ class GRPOTrainer:
             self.model.train(was_training)
         return logp.tolist()
 
-    def greedy_continuation(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """The current policy's greedy continuation of `prompt_ids`: `max_tokens` argmax tokens of the float32
-        logits (EOS does not stop it) and each one's logprob as `sequence_logprobs` gives it. The same modules
-        as training, decoded with a KV cache: one prefill, one step per token, then one scoring pass (one intra-op
-        thread on the CPU, as `sequence_logprobs`)."""
+    def greedy_continuation(self, prompt_ids: list[int], max_tokens: int,
+                            drafts: Sequence[Sequence[int]] = ()) -> tuple[list[int], list[float]]:
+        """The current policy's greedy continuation of `prompt_ids` (`greedy_tokens`) and each token's logprob as
+        `sequence_logprobs` gives it (one scoring pass)."""
+        tokens, _ = self.greedy_tokens(prompt_ids, max_tokens, drafts)
+        return tokens, self.sequence_logprobs(prompt_ids, tokens)
+
+    def greedy_tokens(self, prompt_ids: list[int], max_tokens: int, drafts: Sequence[Sequence[int]] = (),
+                      lookup: bool = False) -> tuple[list[int], int]:
+        """`max_tokens` argmax tokens of the float32 logits after `prompt_ids` (EOS does not stop it) and the number
+        of decoder forwards taken. The same modules as training, decoded with a KV cache; `drafts` (token lists that
+        may continue the prompt, e.g. sampled answers to it) and with `lookup` the context's own repeats are verified
+        a chunk per forward (backends/training/draft_verification.py), else one forward per token. One intra-op thread on the CPU, as
+        `sequence_logprobs`."""
         if not prompt_ids or max_tokens < 1:
             raise ValueError("greedy_continuation needs a non-empty prompt and max_tokens >= 1")
         from transformers import DynamicCache
 
         decoder, weight = self._lm.get_decoder(), self._lm.get_output_embeddings().weight
         cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-        step_ids, cache, tokens = torch.tensor([list(prompt_ids)], device=self.device), DynamicCache(), []
+        cache, held = DynamicCache(), [0]
+
+        def decode(ids: list[int], keep: int, last: int) -> list[int]:
+            if held[0] > keep:  # a negative count removes that many tokens in every transformers version
+                cache.crop(keep - held[0])
+            hidden = decoder(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                             **{cache_arg: cache})[0][0, -last:]
+            held[0] = keep + len(ids)
+            return logits_fp32(hidden, weight).argmax(-1).tolist()
+
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), self._autocast(), single_thread_on_cpu(self.device):
-                for _ in range(max_tokens):
-                    hidden = decoder(input_ids=step_ids, use_cache=True, **{cache_arg: cache})[0][0, -1:]
-                    tokens.append(int(logits_fp32(hidden, weight).argmax(-1)))
-                    step_ids = torch.tensor([[tokens[-1]]], device=self.device)
+                return verified_greedy(decode, list(prompt_ids), max_tokens, drafts, lookup)
         finally:
             self.model.train(was_training)
-        return tokens, self.sequence_logprobs(prompt_ids, tokens)
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path) -> None:

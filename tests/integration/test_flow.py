@@ -31,6 +31,12 @@ def test_flow_trains_commits_and_continues(prefect_api, tmp_path, tiny_model_pat
     for key in ("train/reward", "train/loss", "val/reward", "time/step_s", "publish/probe_max_abs_diff"):
         assert key in m2, key
     assert m2["publish/probe_max_abs_diff"] <= m2["publish/probe_tolerance"] == 0.05  # float32 trainer: auto
+    # the train stage explained: Prefect around the task's body; the body: loading, the step's parts, the rest
+    split = ("time/train_task_s", "time/train_orchestration_s", "time/train_load_s", "time/train_other_s")
+    assert all(m2[k] >= 0 for k in split) and m2["train/probe_forwards"] <= 17
+    assert m2["time/train_task_s"] + m2["time/train_orchestration_s"] == pytest.approx(m2["time/train_s"])
+    assert m2["time/train_load_s"] + m2["train/stage_s"] + m2["time/train_other_s"] == pytest.approx(
+        m2["time/train_task_s"])
     assert "val/reward" in store.read_manifest(0).metrics
     assert store.get_bytes(None, "reward_curve.png").startswith(b"\x89PNG")
     assert len(store.read_groups(2, "scored.parquet")) == 2
