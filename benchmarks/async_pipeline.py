@@ -176,7 +176,8 @@ def one_run(args, k: int, seed: int, storage: str, api: PrefectServer) -> dict:
     steps = [{"step": s, "since_step0_s": _commit_time(m) - t0,
               **{key: v for key, v in m.metrics.items()
                  if key.startswith(("time/", "val/reward", "train/reward", "pipeline/", "train/ratio",
-                                    "train/mismatch_kl", "train/clip_fraction", "train/update_s"))}}
+                                    "train/mismatch_kl", "train/clip_fraction", "train/probe_forwards"))
+                 or (key.startswith("train/") and key.endswith("_s"))}}
              for s, m in manifests.items()]
     return {"k": k, "seed": seed, "embedded_process": args.embedded_process, "wall_s": time.time() - started,
             "steps": steps,
