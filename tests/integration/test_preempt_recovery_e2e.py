@@ -178,8 +178,8 @@ def _pid_gone(pid: int) -> bool:
 
 
 def _scenario(cluster: Cluster, run: str, deployment: str, queue: str, kill) -> dict:
-    """Start `run` of train/`deployment` on `queue`, stop it mid-rollout of step 1 with `kill(pid)`, wait for its recovery; check and
-    time it."""
+    """Start `run` of train/`deployment` on `queue`, stop it mid-rollout of step 1 with `kill(pid)`, wait for its
+    recovery; check and time it."""
     proxy, model = cluster.proxy, f"{run}@0"
     proxy.hold_rollouts_after(model, GROUP_SIZE)
     store = RunStore(str(cluster.root), "ci", run)
