@@ -32,7 +32,6 @@ from storage.lease import RunLease
 from storage.store import RunStore
 from tasks.config_errors import ConfigError
 from tasks.run_config import RunConfig, check_run_identity, load_config
-from tasks.sft import check_sft_identity, load_demonstrations
 from tasks.support.placement import placement_problems, visible_gpus
 
 USAGE_EXIT = 2
@@ -111,6 +110,8 @@ def check_storage(root: str) -> None:
 def check_run(config: RunConfig) -> None:
     """Raise a CommandError when the stored run was made with other settings that define it (exit code 2) or
     another live process holds it (exit code 1)."""
+    from tasks.sft import check_sft_identity, load_demonstrations  # here: it imports torch, which `deploy` needs not
+
     try:
         store = RunStore(config.storage, config.project, config.run)
         check_run_identity(store.read_run_config(), config)

@@ -15,7 +15,10 @@ run resumes from storage and completes; every committed step is committed once (
 stored rollout group is sampled again (the proxy sees requests only for the groups that were not stored, and no
 stored group file is rewritten), the crash and the decision are recorded in the run's storage.
 
-Shortened for the test: worker polling (1 s; Prefect's default 10 s), the zombie window (45 s: one missed
+Each scenario runs its own copy of `train/ui` (same flow, parameters, work pool, pull steps and concurrency limit
+of 1), so the three run at once: on the one `train/ui` they queued for its one slot (two thirds of the test's time),
+while each copy still makes its recovered run wait for the slot its crashed run held, so every kind of crash must
+free it. Shortened for the test: worker polling (1 s; Prefect's default 10 s), the zombie window (45 s: one missed
 heartbeat and a half; the deployed default is 3 x 30 s) and the recover back-off (TRAJFLOW_PREEMPT_BACKOFF_S,
 1 s; prefect.yaml's 10 s). `benchmarks/preemption.py` runs this module with the production back-off and writes
 the timings to benchmarks/results/preemption.json (TRAJFLOW_PREEMPTION_RESULTS).
@@ -90,7 +93,7 @@ class Cluster:
 
         return get_client(sync_client=True)
 
-    def start_run(self, run: str, queue: str):
+    def start_run(self, run: str, deployment: str, queue: str):
         config = {"project": "ci", "run": run, "agent": "tests.flow_agents:EchoAgent", "base_model": "tiny-random",
                   "storage": str(self.root), "seed": 0, "steps": STEPS, "group_size": GROUP_SIZE,
                   "groups_per_step": GROUPS, "eval_every": 0,
@@ -98,13 +101,27 @@ class Cluster:
                   "rollouts": {"concurrency": GROUP_SIZE, "timeout_s": 60},  # groups finish one after another
                   "trainer": {"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8}}
         with self.client() as client:
-            deployment = client.read_deployment_by_name("train/ui")
-            return client.create_flow_run_from_deployment(deployment.id, parameters={"config": config},
+            found = client.read_deployment_by_name(f"train/{deployment}")
+            return client.create_flow_run_from_deployment(found.id, parameters={"config": config},
                                                           work_queue_name=queue)
 
     def read_run(self, run_id):
         with self.client() as client:
             return client.read_flow_run(run_id)
+
+
+def _copy_deployment(client, source: str, name: str) -> None:
+    """A deployment `name` of the same flow as `source` (flow/deployment), with everything a run depends on."""
+    found = client.read_deployment_by_name(source)
+    limit = found.global_concurrency_limit.limit if found.global_concurrency_limit else found.concurrency_limit
+    client.create_deployment(
+        flow_id=found.flow_id, name=name, concurrency_limit=limit, concurrency_options=found.concurrency_options,
+        parameters=found.parameters, description=found.description, work_pool_name=found.work_pool_name,
+        work_queue_name=found.work_queue_name, tags=found.tags, path=found.path, entrypoint=found.entrypoint,
+        parameter_openapi_schema=found.parameter_openapi_schema, pull_steps=found.pull_steps,
+        enforce_parameter_schema=found.enforce_parameter_schema, job_variables=found.job_variables)
+    copy = client.read_deployment_by_name(f"{source.split('/')[0]}/{name}")
+    assert limit == 1 and copy.global_concurrency_limit.limit == limit, (limit, copy.global_concurrency_limit)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +139,8 @@ def cluster(prefect_server, counting_server, tmp_path_factory):
             recover = client.read_deployment_by_name("recover/on-crash")
             client.update_deployment(recover.id, DeploymentUpdate(parameters={"attempts": 3, "backoff_s": BACKOFF_S}))
             client.create_work_queue(name="spot", work_pool_name="cpu-pool")
+            for deployment in {deployment for _, deployment, _, _, _ in SCENARIOS.values()} - {"ui"}:
+                _copy_deployment(client, "train/ui", deployment)
         cluster = Cluster(prefect_server, counting_server, tmp_path_factory.mktemp("runs"))
     cluster.deploys = [done.stdout for done in deploys]
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.url}):
@@ -158,14 +177,14 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
-def _scenario(cluster: Cluster, run: str, queue: str, kill) -> dict:
-    """Start `run` on `queue`, stop it mid-rollout of step 1 with `kill(pid)`, wait for its recovery; check and
-    time it."""
+def _scenario(cluster: Cluster, run: str, deployment: str, queue: str, kill) -> dict:
+    """Start `run` of train/`deployment` on `queue`, stop it mid-rollout of step 1 with `kill(pid)`, wait for its
+    recovery; check and time it."""
     proxy, model = cluster.proxy, f"{run}@0"
     proxy.hold_rollouts_after(model, GROUP_SIZE)
     store = RunStore(str(cluster.root), "ci", run)
     run_dir = Path(cluster.root) / "ci" / run
-    first = cluster.start_run(run, queue)
+    first = cluster.start_run(run, deployment, queue)
     _wait_for(lambda: len(store.list_files(1, GROUPS_DIR + "/")) == 1, 240, "the first group of step 1")
     _wait_for(lambda: len(proxy.rollout_requests(model)) == 2 * GROUP_SIZE, 60, "the next group in flight")
     pid = json.loads((run_dir / RUN_LEASE).read_text())["pid"]
@@ -238,10 +257,10 @@ def _lose_the_machine(cluster: Cluster, pid: int) -> None:
     cluster.workers["spot"] = cluster.new_machine("spot")
 
 
-SCENARIOS = {  # result key: (run, queue, kill, what the crashed state's message must say)
-    "worker_alive": ("preempt-a", "default", _kill(signal.SIGKILL), "SIGKILL"),
-    "machine_lost": ("preempt-b", "spot", _lose_the_machine, "no heartbeat"),  # only the zombie automation saw it
-    "sigterm": ("preempt-c", "default", _kill(signal.SIGTERM), "termination signal"),
+SCENARIOS = {  # result key: (run, deployment of train, queue, kill, what the crashed state's message must say)
+    "worker_alive": ("preempt-a", "ui", "default", _kill(signal.SIGKILL), "SIGKILL"),
+    "machine_lost": ("preempt-b", "ui-spot", "spot", _lose_the_machine, "no heartbeat"),  # only the zombie saw it
+    "sigterm": ("preempt-c", "ui-sigterm", "default", _kill(signal.SIGTERM), "termination signal"),
 }
 
 
@@ -252,10 +271,10 @@ def test_preempt_three_kills_each_recovered_without_a_human(cluster, results):
     def play(key: str) -> None:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        run, queue, kill, _ = SCENARIOS[key]
+        run, deployment, queue, kill, _ = SCENARIOS[key]
         try:
             with temporary_settings(updates={PREFECT_API_URL: cluster.server.url}):  # settings are per thread
-                outcomes[key] = _scenario(cluster, run, queue, lambda pid: kill(cluster, pid))
+                outcomes[key] = _scenario(cluster, run, deployment, queue, lambda pid: kill(cluster, pid))
         except BaseException as exc:  # noqa: BLE001 - reported below with the others
             outcomes[key] = "".join(traceback.format_exception(exc))
 
@@ -268,7 +287,7 @@ def test_preempt_three_kills_each_recovered_without_a_human(cluster, results):
         thread.join()
     failed = {key: value for key, value in outcomes.items() if isinstance(value, str)}
     assert not failed, "\n".join(f"--- {key}:\n{value}" for key, value in failed.items())
-    for key, (_, _, _, said) in SCENARIOS.items():
+    for key, (_, _, _, _, said) in SCENARIOS.items():
         assert said in outcomes[key]["crashed_state_message"], outcomes[key]
         results[key] = outcomes[key]
     assert outcomes["sigterm"]["crash_marked_s"] < 20, outcomes["sigterm"]
