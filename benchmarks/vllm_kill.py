@@ -108,8 +108,10 @@ def flow_command(args, storage: Path) -> list[str]:
 
 def run_check(args, work: Path) -> dict:
     from storage.store import RunStore
+    from tasks.support.run_logs import LOG_DIR_ENV, log_file_for
 
     storage = work / "runs"
+    os.environ[LOG_DIR_ENV] = str(work / "logs")  # the flow's and vLLM's logs of this check alone (run_logs.py)
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VLLM_NO_USAGE_STATS": "1"}
     extra = []
@@ -134,8 +136,8 @@ def run_check(args, work: Path) -> dict:
             while flow.poll() is None and not (step_dir / "scenarios.json").exists():
                 if time.time() - started > args.timeout_s:
                     raise SystemExit(f"step {args.kill_at} sampled nothing within {args.timeout_s} s; log: {log_path}")
-                if args.kill_at in store.committed_steps() or (args.kill_at - 1) in store.committed_steps():
-                    leaders = leaders or vllm_leaders(flow.pid)  # vLLM is up once a step has committed
+                if not leaders and (args.kill_at - 1) in store.committed_steps():
+                    leaders = vllm_leaders(flow.pid)  # vLLM is up once the step before has committed
                 time.sleep(0.01)
             if flow.poll() is not None:
                 raise SystemExit(f"the flow exited ({flow.returncode}) before step {args.kill_at}'s rollouts; "
@@ -167,13 +169,8 @@ def run_check(args, work: Path) -> dict:
     metrics = manifests[args.kill_at].metrics if args.kill_at in manifests else {}
     events["reused_groups_at_kill_step"] = metrics.get("rollouts/reused_groups")
     events["step_metrics_at_kill_step"] = {k: v for k, v in metrics.items() if k.startswith(("time/", "rollouts/"))}
-    lines = log_path.read_text(errors="replace").splitlines()
-    # the flow's own log file (task states included) is named in its closing summary: "  log  <path>"
-    flow_logs = [Path(line.split(None, 1)[1]) for line in lines if line.strip().startswith("log ")]
-    if flow_logs and flow_logs[-1].is_file():
-        lines = flow_logs[-1].read_text(errors="replace").splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("=== ")]  # the file keeps earlier runs too
-        lines = lines[starts[-1]:] if starts else lines
+    flow_log = log_file_for("trajflow", "vllm-kill")  # the flow's own log: task states included
+    lines = (flow_log if flow_log.is_file() else log_path).read_text(errors="replace").splitlines()
     task = f"'rollouts-step-{args.kill_at}'"
     events["rollouts_task_states"] = [line.split(task, 1)[1].strip(" :-")[:200] for line in lines if task in line]
     events["log_lines"] = [line[:400] for line in lines
