@@ -202,7 +202,7 @@ class TrainerConfig(BaseModel):
         "gradients (GRPOTrainer.warm_up: no step; adapter, optimizer and RNG untouched), so compiling the "
         "torch.compile'd kernels happens before the first step instead of inside it. 'auto': on for CUDA.",
     )
-    attention_kernel: Literal["auto", "varlen", "flash", "sdpa-default"] = Field(
+    attention_kernel: Literal["auto", "varlen", "flash", "sdpa-default", "cudnn"] = Field(
         default="auto",
         description="Kernel of the packed rows' causal attention on CUDA (backends/training/packed_attention.py). "
         "'varlen': ONE FlashAttention varlen call per layer over all rows of a micro-batch "
@@ -210,9 +210,19 @@ class TrainerConfig(BaseModel):
         "call per row, PyTorch's FlashAttention-2 first, memory-efficient attention next, cuDNN and math last. "
         "'sdpa-default': one SDPA call per row in PyTorch's own order, which picks cuDNN attention on Hopper; "
         "cuDNN builds an execution plan for every new sequence length (~1.8 ms of host time per call, and GRPO "
-        "rows are new lengths every step): benchmarks/results/training-h200.md. 'auto': 'varlen' where it can run, "
-        "else 'flash'. The CPU ignores it: one SDPA call per row (one call per layer with a block-diagonal mask "
-        "was 3.7x slower per layer, the update 1.16x: benchmarks/results/packed-attention-cpu.md).",
+        "rows are new lengths every step): benchmarks/results/training-h200.md. 'cudnn': one SDPA call per row, "
+        "cuDNN first (then flash, efficient, math), each row zero-padded at its end to a multiple of "
+        "attention_bucket so its plan is reused, and every bucket's plan built by the warm-up (exact: causal "
+        "attention, the padding's outputs dropped). 'auto': 'varlen' where it can run, else 'flash'. The CPU "
+        "ignores the kernel choice: one SDPA call per row (one call per layer with a block-diagonal mask was 3.7x "
+        "slower per layer, the update 1.16x: benchmarks/results/packed-attention-cpu.md); 'cudnn' pads there too.",
+    )
+    attention_bucket: int = Field(
+        default=512, ge=1,
+        description="With attention_kernel 'cudnn', each packed row's attention runs on its length rounded up to "
+        "a multiple of this: larger buckets mean fewer cuDNN plans to build in the warm-up (one per multiple up "
+        "to the micro-batch budget; 16k tokens at 512: 32 lengths, ~270k warm-up tokens) but more attention over "
+        "padding (up to bucket - 1 tokens a row). 1: no padding. Other kernels ignore it.",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

@@ -10,18 +10,30 @@ which is what row ``r`` alone computes. Two ways to run it, each exact up to the
 1. ``varlen``: ONE FlashAttention varlen call per layer (``torch.nn.attention.varlen.varlen_attn``) over the rows'
    cumulative offsets ``cu_seqlens`` (int32, on the device, built once per micro-batch), forward and backward one
    kernel each; grouped-query attention is native (no key/value copies). CUDA with bf16/fp16 only.
-2. ``rows``: one SDPA call per row on its slice of q/k/v (``is_causal``), then a cat: R calls per layer plus the
-   slices, the cat and their backward. Any device; which SDPA kernel runs is the trainer's ``attention_kernel``.
+2. ``rows``: one SDPA call per row (``is_causal``), then a cat: R calls per layer. q/k/v are split into rows by one
+   ``split`` each (its backward is one cat, where R slices would each scatter into a zeroed full-length gradient).
+   Any device; which SDPA kernel runs is the trainer's ``attention_kernel``.
    The CPU runs this: one SDPA call per layer with a block-diagonal causal mask computes ``L^2`` scores instead of
    ``sum(n_r^2)`` and measured 3.7x slower per layer (the update 1.16x) at the main job's 512-token micro-batches
    (benchmarks/results/packed-attention-cpu.md).
 
+Buckets (``rows`` path, ``PackedAttention.bucket`` = b > 1): each row's q/k/v of length n is zero-padded at its END to
+``m = ceil(n / b) * b`` and the SDPA output is cut back to n. cuDNN attention keys its execution plan by shapes and
+strides and builds one (~1.8 ms of host time) for each it has not seen; GRPO rows are new lengths every step, padded
+rows take ``L / b`` shapes at most, which the trainer's warm-up builds before step 0. Exact: with causal masking the
+real tokens (positions < n) never attend to the padding after them, and the padded queries' outputs are dropped, so
+their gradient is zero and so is every gradient that flows into the padding (dq of padded queries, dk and dv of
+padded keys, which only padded queries see). The cost is the attention over the padding: at most ``b - 1`` tokens a
+row, and one pad copy of q, k and v per row and layer. So that a shape maps to ONE plan, a padded row is its own
+tensor ``[1, H, m, D]`` laid out as q_proj writes it (strides ``(m*H*D, D, H*D, 1)``): no stride depends on the
+micro-batch's length.
+
 Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype). The
-attention function, registered with transformers as ``trajflow_varlen``, gets the spans, the path and the SDPA
-kernel order as the ``trajflow_packed`` keyword (``PackedAttention``) that transformers forwards from the decoder
-call to the attention function (also through gradient-checkpoint recomputation); ``packed_forward`` keeps the model
-from building a mask. Without that keyword the function is plain SDPA, so a model set to it still generates
-normally.
+attention function, registered with transformers as ``trajflow_varlen``, gets the spans, the path, the SDPA kernel
+order and the bucket as the ``trajflow_packed`` keyword (``PackedAttention``) that transformers forwards from the
+decoder call to the attention function (also through gradient-checkpoint recomputation); ``packed_forward`` keeps
+the model from building a mask. Without that keyword the function is plain SDPA, so a model set to it still
+generates normally.
 
 Simplifications: attention dropout and a non-default scale (torch 2.10's ``varlen_attn`` takes no ``scale``) make the
 ``varlen`` path run as ``rows``; sliding windows are ignored, as the SDPA path ignores them without a
@@ -67,25 +79,38 @@ class RowSpans:
 class PackedAttention:
     """What a packed forward's attention needs, passed as the ``trajflow_packed`` keyword of the decoder call: the
     rows' spans, the path (one of ``PATHS``) and, for the ``rows`` path, SDPA's backends in priority order
-    (``sdpa_backends``; None: PyTorch's own choice). A keyword, not a context, so that gradient-checkpoint
-    recomputation (which runs in the backward, outside any context of the forward) computes the same thing."""
+    (``sdpa_backends``; None: PyTorch's own choice) and the ``bucket`` each row is zero-padded to a multiple of (1:
+    no padding). A keyword, not a context, so that gradient-checkpoint recomputation (which runs in the backward,
+    outside any context of the forward) computes the same thing."""
 
     spans: RowSpans
     path: str = "rows"
     sdpa_backends: list | None = None
+    bucket: int = 1
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"packed attention path {self.path!r}: expected one of {PATHS}")
+        if self.bucket < 1:
+            raise ValueError(f"packed attention bucket {self.bucket}: expected >= 1")
 
 
 def sdpa_backends(kernel: str) -> list | None:
-    """SDPA backends in priority order for an ``attention_kernel`` setting; None = PyTorch's own choice."""
+    """SDPA backends in priority order for an ``attention_kernel`` setting; None = PyTorch's own choice. 'cudnn' puts
+    cuDNN first, 'flash' (and 'auto' / 'varlen' where they fall back to rows) FlashAttention-2; the others follow."""
     if kernel == "sdpa-default":
         return None
     from torch.nn.attention import SDPBackend
 
+    if kernel == "cudnn":
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH]
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def bucketed(n: int, bucket: int) -> int:
+    """A row of ``n`` tokens padded to the next multiple of ``bucket``: ``ceil(n / bucket) * bucket``."""
+    return -(-n // bucket) * bucket
 
 
 @dataclass(frozen=True)
@@ -138,8 +163,8 @@ def attention_path(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     """The path a trainer's packed forward runs for its ``attention_kernel`` setting (``TrainerConfig``).
 
     Off CUDA: ``CPU_PATH`` whatever the setting. On CUDA: ``varlen`` for 'varlen' (ValueError naming the field and
-    the reason where it cannot run) and for 'auto' where it can; ``rows`` otherwise ('flash', 'sdpa-default', and
-    'auto' on float32 or a torch without varlen attention)."""
+    the reason where it cannot run) and for 'auto' where it can; ``rows`` otherwise ('flash', 'cudnn',
+    'sdpa-default', and 'auto' on float32 or a torch without varlen attention)."""
     if device.type != "cuda":
         return CPU_PATH
     why = varlen_unavailable(device, dtype)
@@ -188,15 +213,29 @@ def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
         from torch.nn.attention import sdpa_kernel
 
         kernels = sdpa_kernel(packed.sdpa_backends, set_priority=True)
-    outs, start = [], 0
+    lengths = spans.lengths
+    outs = []
     with kernels:
-        for n in spans.lengths:
-            end = start + n
-            out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
-                                            value[:, :, start:end], None, is_causal=True, **kwargs)
-            outs.append(out)
-            start = end
+        for q, k, v, n in zip(*(_split_rows(x, lengths, packed.bucket) for x in (query, key, value)), lengths):
+            out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
+            outs.append(out if out.shape[1] == n else out[:, :n])  # [1, m, H, D]: the padding's outputs dropped
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[torch.Tensor]:
+    """[1, H, L, D] -> one [1, H, m_r, D] per row, m_r = ``bucketed(n_r, bucket)``, zeros after the row's tokens.
+
+    Split along the sequence in the [L, H, D] layout q_proj wrote; ``unsqueeze`` then gives the batch dimension the
+    stride ``m*H*D``, so a padded row's strides depend on m alone (a cuDNN plan is keyed by strides too)."""
+    rows = []
+    for piece in x[0].transpose(0, 1).split(lengths):  # [n, H, D] each
+        pad = bucketed(piece.shape[0], bucket) - piece.shape[0]
+        if pad:
+            piece = torch.nn.functional.pad(piece, (0, 0, 0, 0, 0, pad))
+        elif bucket > 1:
+            piece = piece.contiguous()  # a no-op in q_proj's layout; elsewhere the one layout a plan is keyed by
+        rows.append(piece.unsqueeze(0).transpose(1, 2))
+    return rows
 
 
 def _varlen_mask(*args, **kwargs):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import random
 import resource
@@ -52,11 +53,13 @@ from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import assign_aggregation_weights, policy_loss
-from backends.training.packed_attention import (PackedAttention, attention_path, install_varlen_attention,
+from backends.training.packed_attention import (PackedAttention, attention_path, bucketed, install_varlen_attention,
                                                packed_forward, sdpa_backends)
 from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
+
+log = logging.getLogger("trajflow")
 
 
 def _dtype(name: str, device: str) -> torch.dtype:
@@ -198,6 +201,7 @@ class GRPOTrainer:
         self.step = 0
         self.metrics_history: list[dict[str, float]] = []
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
+        self.warm_up_runs: dict[str, int] = {}
         self.warm_up_s = self.warm_up() if config.enabled("warm_up", self.device.type == "cuda") else 0.0
 
     def update_config(self, **overrides) -> TrainerConfig:
@@ -234,9 +238,16 @@ class GRPOTrainer:
 
     def _choose_attention(self, config: TrainerConfig) -> None:
         """The packed forward's attention path and, for its per-row SDPA calls, the kernel order (CUDA only: the
-        CPU has one kernel); an ``attention_kernel`` that cannot run here is a ValueError."""
+        CPU has one kernel) and the bucket rows are padded to: ``attention_bucket`` for 'cudnn' on every device (the
+        CPU pads as the GPU does, so CPU tests of a 'cudnn' trainer run the padding), else 1. An
+        ``attention_kernel`` that cannot run here is a ValueError."""
         self.attention_path = attention_path(config.attention_kernel, self.device, self.dtype) if self.packed else None
         self.sdpa_order = sdpa_backends(config.attention_kernel) if self.device.type == "cuda" else None
+        cudnn_rows = config.attention_kernel == "cudnn" and self.attention_path == "rows"
+        self.attention_bucket = config.attention_bucket if cudnn_rows else 1
+
+    def _packed_attention(self, mb: MicroBatch) -> PackedAttention:
+        return PackedAttention(mb.spans, self.attention_path, self.sdpa_order, self.attention_bucket)
 
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
@@ -248,7 +259,7 @@ class GRPOTrainer:
         kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
         packing = contextlib.nullcontext()
         if self.packed:
-            kwargs["trajflow_packed"] = PackedAttention(mb.spans, self.attention_path, self.sdpa_order)
+            kwargs["trajflow_packed"] = self._packed_attention(mb)
             packing = packed_forward()
         with packing, self._autocast():
             out = decoder(**kwargs)
@@ -405,7 +416,7 @@ class GRPOTrainer:
         self.metrics_history.append(metrics)
         return metrics
 
-    def warm_up(self, micro_batches: int = 2) -> float:
+    def warm_up(self, micro_batches: int = 2, buckets: bool | None = None) -> float:
         """Run forward + backward on synthetic packed micro-batches, then drop the gradients: no optimizer step, the
         adapter, optimizer, scheduler, step count and RNG streams are untouched. Returns the seconds it took.
 
@@ -413,29 +424,50 @@ class GRPOTrainer:
         torch.compile'd kernels (dynamic shapes: one compile serves every length), the attention and GEMM kernels'
         first launches, and the caching allocator growing to a full micro-batch. The rows are a full micro-batch
         then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw).
+
+        Padded rows (``attention_bucket`` b > 1, 'cudnn') with ``buckets`` (None: on CUDA) add one row per padded
+        length b, 2b, ..., ``bucketed(micro_batch_tokens, b)``, each the shortest that pads to it ((k-1)*b + 1
+        tokens), packed first-fit decreasing under the budget: every cuDNN plan, forward and backward, that a row
+        within the budget can need exists before step 0. Not built: a longer row's (it goes alone) and those of
+        forwards without gradient (no softmax statistics: another plan). ``warm_up_runs`` says what ran.
         """
         start = time.perf_counter()
-        budget = self.micro_batch_tokens
-        was_training = self.model.training
-        self.model.train()
+        budget, bucket = self.micro_batch_tokens, self.attention_bucket
+        row_sets = []
         for k in range(micro_batches):
             total = max(16, budget // (k + 1))
-            lengths = [total // 2, total // 3, total - total // 2 - total // 3]
-            rows = []
-            for n in lengths:
-                ids = [(7 * i + 3) % self.vocab_size for i in range(n)]
-                mask = [i >= n // 4 for i in range(n)]
-                rows.append(TrainingRow(ids, mask, [0.0] * n, advantage=0.0, weight=1.0 / n, source="warm-up"))
+            row_sets.append([self._warm_up_row(n) for n in (total // 2, total // 3, total - total // 2 - total // 3)])
+        padded = []
+        if bucket > 1 and (self.device.type == "cuda" if buckets is None else buckets):
+            padded = list(range(bucket, bucketed(budget, bucket) + 1, bucket))
+            row_sets.append([self._warm_up_row(max(2, m - bucket + 1)) for m in padded])
+        runs = {"micro_batches": 0, "tokens": 0, "bucket": bucket, "bucket_lengths": len(padded)}
+        was_training = self.model.training
+        self.model.train()
+        for rows in row_sets:
             for mb in self._micro_batches(rows):
                 logp, _ = self._token_logprobs(mb)
                 res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
                                   loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
                 (res.loss * 0.0).backward()
+                runs["micro_batches"] += 1
+                runs["tokens"] += mb.tokens
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train(was_training)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        self.warm_up_runs = runs
+        seconds = time.perf_counter() - start
+        log.info("trainer warm-up: %d micro-batches, %d tokens, %d padded row lengths (bucket %d), %.1f s",
+                 runs["micro_batches"], runs["tokens"], len(padded), bucket, seconds)
+        return seconds
+
+    def _warm_up_row(self, n: int) -> TrainingRow:
+        """A synthetic row of ``n`` tokens: ids ``(7i + 3) % vocab``, the first quarter (at least one token)
+        untrained."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(n)]
+        mask = [i >= max(1, n // 4) for i in range(n)]
+        return TrainingRow(ids, mask, [0.0] * n, advantage=0.0, weight=1.0 / n, source="warm-up")
 
     def _peak_memory_gib(self) -> float:
         """Peak memory of this step so far: CUDA's allocator peak, or on the CPU the process's peak resident memory

@@ -39,7 +39,7 @@ CASES = [
     ("model check", ["train", "--set", "trainer.lr_schedule=cosine"], 2,
      "trainer: lr_schedule='cosine' needs total_steps"),
     ("attention kernel misspelled", ["train", "--set", "trainer.attention_kernel=varln"], 2,
-     "trainer.attention_kernel: input should be 'auto', 'varlen', 'flash' or 'sdpa-default', got 'varln'"),
+     "trainer.attention_kernel: input should be 'auto', 'varlen', 'flash', 'sdpa-default' or 'cudnn', got 'varln'"),
     ("vllm command empty", ["train", "--set", "inference.vllm_command=[]"], 2,
      "inference.vllm_command: the vLLM command must name an executable, got []"),
     ("vllm env not a list or mapping", ["train", "--set", "inference.vllm_env=3"], 2,

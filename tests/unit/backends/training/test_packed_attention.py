@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from backends.training.config import TrainerConfig
-from backends.training.packed_attention import CPU_PATH, VarlenCall, attention_path, varlen_function
+from backends.training.packed_attention import (CPU_PATH, PackedAttention, RowSpans, VarlenCall, _split_rows,
+                                               attention_path, bucketed, sdpa_backends, varlen_function)
 from backends.training.packing import make_micro_batch
 from backends.training.token_rows import TrainingRow
 from backends.training.trainer import GRPOTrainer
@@ -182,3 +183,105 @@ def test_varlen_calls_follow_the_signature_of_each_torch():
     assert VarlenCall.of(unknown) is None
     installed = varlen_function()
     assert set(installed.causal) <= set(inspect.signature(installed.fn).parameters)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every SDPA call's (query length, key length, SDPA's backend priority order in force) while the test runs."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2], torch._C._get_sdp_priority_order()))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("bucket", [1, 8, 33])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_rows_padded_to_a_bucket_equal_each_row_alone(tiny_model_path, sdpa_calls, bucket, checkpointing):
+    """Rows zero-padded at their end to a multiple of the bucket (lengths 1-33: some a multiple of 8 or 33, most
+    not) give each row's own logprobs and LoRA gradients; every SDPA call runs on the padded length (bucket 1:
+    the rows' own lengths)."""
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(gradient_checkpointing=checkpointing,
+                                                              checkpoint_layer_fraction=1.0))
+    torch.manual_seed(0)
+    for name, p in trainer.model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    trainer.model.train()
+    rows = _rows(trainer.vocab_size)
+    trainer.packed = False
+    want_logp, want_grads = _logprobs_and_grads(trainer, [make_micro_batch([r], "cpu") for r in rows])
+    trainer.packed = True
+    trainer.attention_path, trainer.attention_bucket = "rows", bucket
+    sdpa_calls.clear()
+    logp, grads = _logprobs_and_grads(trainer, [make_micro_batch(rows, "cpu")])
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
+    assert_same_gradients([grads], [want_grads], f"bucket {bucket}")
+    assert len(grads) == len(trainer._params)
+    padded = [bucketed(len(r), bucket) for r in rows]
+    assert bucket == 1 or padded != [len(r) for r in rows]
+    layers = trainer._lm.config.num_hidden_layers
+    assert [(q, k) for q, k, _ in sdpa_calls[:len(rows)]] == [(m, m) for m in padded]
+    assert len(sdpa_calls) == len(rows) * layers * (2 if checkpointing else 1)  # recomputation pads the same
+
+
+def test_padded_rows_have_strides_of_their_own_length():
+    """A padded row is its own [1, H, m, D] tensor in q_proj's layout: nothing in its shape or strides says how long
+    the micro-batch was, so one cuDNN plan serves that bucket in every micro-batch."""
+    H, D = 4, 8
+    layouts = set()
+    for lengths in [(5, 16, 12), (12, 3), (16, 30)]:
+        x = torch.randn(1, sum(lengths), H, D).transpose(1, 2)  # [1, H, L, D] as q_proj + view + transpose give it
+        for n, row in zip(lengths, _split_rows(x, lengths, 16)):
+            assert row.shape == (1, H, bucketed(n, 16), D)
+            assert torch.equal(row[:, :, :n], x[:, :, sum(lengths[:lengths.index(n)]):][:, :, :n])
+            assert not row[:, :, n:].any()  # zeros after the row's tokens
+            layouts.add((tuple(row.shape), row.stride()))
+    assert layouts == {((1, H, m, D), (m * H * D, D, H * D, 1)) for m in (16, 32)}
+
+
+def test_cudnn_reaches_the_sdpa_call_first_with_its_bucket(tiny_model_path, tool_conversation, sdpa_calls):
+    """attention_kernel 'cudnn': on CUDA the packed forward carries cuDNN first, flash, efficient and math after
+    it, and the bucket; the CPU pads the same but keeps its own kernel order. The trainer's PackedAttention is
+    what the SDPA calls run under."""
+    from torch.nn.attention import SDPBackend
+
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+    assert sdpa_backends("cudnn") == cudnn_first
+    assert attention_path("cudnn", torch.device("cuda"), torch.bfloat16) == "rows"
+    assert attention_path("cudnn", torch.device("cuda"), torch.float32) == "rows"
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(attention_kernel="cudnn", attention_bucket=16))
+    t1, p1 = tool_conversation["turns"][0], tool_conversation["prompts"][0]
+    (mb,) = trainer._micro_batches([TrainingRow(p1 + t1.token_ids, [False] * len(p1) + [True] * len(t1.token_ids),
+                                                [0.0] * (len(p1) + len(t1.token_ids)))])
+    on_cpu = trainer._packed_attention(mb)
+    assert (on_cpu.path, on_cpu.sdpa_backends, on_cpu.bucket) == (CPU_PATH, None, 16)
+    default = trainer.sequence_logprobs(p1, t1.token_ids)
+    assert {q for q, _, _ in sdpa_calls} == {bucketed(len(p1) + len(t1.token_ids), 16)} != {len(mb.rows[0])}
+
+    trainer.device, trainer.dtype = torch.device("cuda"), torch.bfloat16  # what _choose_attention sees on a GPU
+    trainer._choose_attention(trainer.config)
+    on_gpu = trainer._packed_attention(mb)
+    assert (on_gpu.path, on_gpu.sdpa_backends, on_gpu.bucket) == ("rows", cudnn_first, 16)
+    trainer.device, trainer.dtype = torch.device("cpu"), torch.float32  # run that choice here: CPU kernels
+    sdpa_calls.clear()
+    assert trainer.sequence_logprobs(p1, t1.token_ids) == pytest.approx(default, abs=1e-5)
+    assert sdpa_calls and all(order[:4] == [int(b) for b in cudnn_first] for _, _, order in sdpa_calls)
+    trainer.update_config(attention_kernel="flash")
+    assert trainer.attention_bucket == 1 and trainer._packed_attention(mb).bucket == 1
+
+
+def test_attention_bucket_is_validated():
+    assert TrainerConfig().attention_bucket == 512 and TrainerConfig().attention_kernel == "auto"
+    with pytest.raises(ValueError, match="attention_bucket"):
+        TrainerConfig(attention_bucket=0)
+    with pytest.raises(ValueError, match="attention_kernel"):
+        TrainerConfig(attention_kernel="cudnn-v9")
+    with pytest.raises(ValueError, match="bucket 0: expected >= 1"):
+        PackedAttention(RowSpans.of([3], "cpu"), bucket=0)
+    assert [bucketed(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8] and bucketed(7, 1) == 7

@@ -319,24 +319,39 @@ def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_con
     assert packed_attention.sdpa_backends("flash")[0] == SDPBackend.FLASH_ATTENTION
 
 
-def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path):
+@pytest.mark.parametrize("attention", [{}, {"attention_kernel": "cudnn", "attention_bucket": 16}],
+                         ids=["default", "cudnn-buckets"])
+def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path, monkeypatch, attention):
     """warm_up runs forward + backward but leaves the adapter, optimizer, step count, gradients and RNG alone:
-    the step after it is bit-identical to a step without it."""
+    the step after it is bit-identical to a step without it. With padded rows ('cudnn') and ``buckets`` it also
+    runs every padded length up to the micro-batch budget (here 16, 32, 48, 64), so no step meets a new one."""
     groups = [synthetic_group([0.0, 1.0, 0.25]), synthetic_group([2.0, 0.0])]
+    lengths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: lengths.append(q.shape[-2]) or sdpa(q, *a, **kw))
     results = []
     for warm in (False, True):
-        trainer = _trainer(tiny_model_path, learning_rate=1e-3, micro_batch_tokens=64)
+        trainer = _trainer(tiny_model_path, learning_rate=1e-3, micro_batch_tokens=64, **attention)
         if warm:
             before = _lora_state(trainer)
             rng = torch.get_rng_state()
-            assert trainer.warm_up() > 0
+            lengths.clear()
+            assert trainer.warm_up(buckets=True) > 0
             assert torch.equal(torch.get_rng_state(), rng) and trainer.step == 0
             assert all(p.grad is None for p in trainer.model.parameters())
             assert all(torch.equal(before[n], w) for n, w in _lora_state(trainer).items())
             assert not trainer.optimizer.state
+            warmed = set(lengths)
         results.append((trainer.train_step(groups), _lora_state(trainer)))
     (m0, w0), (m1, w1) = results
     assert m0["loss"] == m1["loss"] and m0["grad_norm"] == m1["grad_norm"]
     assert all(torch.equal(w0[n], w1[n]) for n in w0)
+    runs = trainer.warm_up_runs
+    if attention:
+        assert warmed == {16, 32, 48, 64} and runs["bucket_lengths"] == 4 and runs["bucket"] == 16
+        assert runs["micro_batches"] == 2 + 2  # the two generic ones, then rows of 2, 17, 33, 49 tokens in two
+    else:
+        assert runs == {"micro_batches": 2, "tokens": 64 + 32, "bucket": 1, "bucket_lengths": 0}
     assert trainer.warm_up_s == 0.0  # 'auto' warms up on CUDA only
     assert _trainer(tiny_model_path, warm_up="on", micro_batch_tokens=64).warm_up_s > 0
