@@ -6,6 +6,8 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
 - ``cold_start_s``: from the parent starting the child process (``subprocess.Popen``) to the end of its first
   optimizer step (``torch.cuda.synchronize`` after the step): interpreter start, imports, model build,
   trainer set-up (incl. ``GRPOTrainer.warm_up`` when on) and step 0;
+- ``warm_up_s`` and ``warm_up_runs``: what the warm-up took and ran (micro-batches, tokens, and with 'cudnn' the
+  bucket and how many padded row lengths it built plans for);
 - ``first_in_process_tok_s``: row tokens / wall seconds of steps 1..3 of that process (the first steps after the
   one that paid the cold start);
 - ``steady_tok_s``: the same over the last ``--steady-steps`` steps;
@@ -26,6 +28,8 @@ forward, so 3x that forward + backward.
 
     python benchmarks/training_fresh_process.py --out benchmarks/results/training-fresh-h200.json
     python benchmarks/training_fresh_process.py --smoke --out /tmp/fresh.json   # CPU, tiny shape, seconds
+
+``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "no-warm-up": {"warm_up": "off"},
     "sdpa-default+warm-up": {"attention_kernel": "sdpa-default"},
     "flash+warm-up": {"attention_kernel": "flash"},  # one SDPA call per packed row (auto is varlen on CUDA)
+    # cuDNN first, rows padded to a multiple of the bucket; the warm-up builds each padded length's plans
+    "cudnn+warm-up": {"attention_kernel": "cudnn"},
+    "cudnn-b256+warm-up": {"attention_kernel": "cudnn", "attention_bucket": 256},
 }
 
 
@@ -77,6 +84,8 @@ def child(args) -> None:
     min_len, max_len = (128, 1024) if args.smoke else (2048, 16384)
     step_tokens = 6000 if args.smoke else args.step_tokens
     settings = CONFIGS[args.config]
+    if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
+        settings = {"warm_up": "on", **settings}
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
                         max_row_tokens=max_len, micro_batch_tokens=1024 if args.smoke else args.micro_batch_tokens,
                         seed=0, backend="peft", **settings)
@@ -88,6 +97,7 @@ def child(args) -> None:
     if cuda:
         torch.cuda.synchronize()
     t_trainer = time.time()
+    print(f"  [{args.config}] warm-up {trainer.warm_up_s:.2f}s: {trainer.warm_up_runs}", flush=True)
     data = [synthetic_groups(k, shape["vocab_size"], step_tokens, min_len, max_len) for k in range(args.steps)]
     n_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     lora_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
@@ -143,7 +153,8 @@ def child(args) -> None:
         print(f"  [{args.config}] step {k}: {rec['tokens']:.0f} tok {wall:.2f}s = {rec['tok_s']:.0f} tok/s, "
               f"cpu {rec['cpu_s']:.2f}s, new graphs {rec['new_graphs']}, compile {rec['compile_s']:.1f}s, "
               f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
-    out = {"config": args.config, "settings": settings, "warm_up_s": trainer.warm_up_s, "n_params": n_params,
+    out = {"config": args.config, "settings": settings, "warm_up_s": trainer.warm_up_s,
+           "warm_up_runs": trainer.warm_up_runs, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
            "t_trainer": t_trainer, "steps": steps}
     Path(args.child_out).write_text(json.dumps(out))
@@ -163,6 +174,8 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "start_to_imported_s": round(run["t_imported"] - spawned, 2),
         "model_build_s": round(run["t_model"] - run["t_imported"], 2),
         "trainer_setup_s": round(run["t_trainer"] - run["t_model"], 2),
+        "warm_up_s": round(run["warm_up_s"], 2),
+        "warm_up_runs": run.get("warm_up_runs", {}),
         "step0_s": round(s[0]["wall_s"], 2),
         "first_in_process_tok_s": round(_rate(s[1:4])),
         "steady_tok_s": round(steady),

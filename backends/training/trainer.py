@@ -416,7 +416,7 @@ class GRPOTrainer:
         self.metrics_history.append(metrics)
         return metrics
 
-    def warm_up(self, micro_batches: int = 2, buckets: bool | None = None) -> float:
+    def warm_up(self, micro_batches: int = 2) -> float:
         """Run forward + backward on synthetic packed micro-batches, then drop the gradients: no optimizer step, the
         adapter, optimizer, scheduler, step count and RNG streams are untouched. Returns the seconds it took.
 
@@ -425,11 +425,12 @@ class GRPOTrainer:
         first launches, and the caching allocator growing to a full micro-batch. The rows are a full micro-batch
         then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw).
 
-        Padded rows (``attention_bucket`` b > 1, 'cudnn') with ``buckets`` (None: on CUDA) add one row per padded
-        length b, 2b, ..., ``bucketed(micro_batch_tokens, b)``, each the shortest that pads to it ((k-1)*b + 1
-        tokens), packed first-fit decreasing under the budget: every cuDNN plan, forward and backward, that a row
-        within the budget can need exists before step 0. Not built: a longer row's (it goes alone) and those of
-        forwards without gradient (no softmax statistics: another plan). ``warm_up_runs`` says what ran.
+        Padded rows (``attention_bucket`` b > 1: 'cudnn') add one row per padded length b, 2b, ...,
+        ``bucketed(micro_batch_tokens, b)``, each the shortest that pads to it ((k-1)*b + 1 tokens), packed first-fit
+        decreasing under the budget: every cuDNN plan, forward and backward, that a row within the budget can need
+        exists before step 0. Not built: a longer row's (it goes alone) and those of forwards without gradient (no
+        softmax statistics: another plan). The CPU has no plans but runs them too where asked (``warm_up: on``), as
+        the GPU would. ``warm_up_runs`` says what ran.
         """
         start = time.perf_counter()
         budget, bucket = self.micro_batch_tokens, self.attention_bucket
@@ -438,7 +439,7 @@ class GRPOTrainer:
             total = max(16, budget // (k + 1))
             row_sets.append([self._warm_up_row(n) for n in (total // 2, total // 3, total - total // 2 - total // 3)])
         padded = []
-        if bucket > 1 and (self.device.type == "cuda" if buckets is None else buckets):
+        if bucket > 1:
             padded = list(range(bucket, bucketed(budget, bucket) + 1, bucket))
             row_sets.append([self._warm_up_row(max(2, m - bucket + 1)) for m in padded])
         runs = {"micro_batches": 0, "tokens": 0, "bucket": bucket, "bucket_lengths": len(padded)}

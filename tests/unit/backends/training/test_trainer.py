@@ -323,7 +323,7 @@ def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_con
                          ids=["default", "cudnn-buckets"])
 def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path, monkeypatch, attention):
     """warm_up runs forward + backward but leaves the adapter, optimizer, step count, gradients and RNG alone:
-    the step after it is bit-identical to a step without it. With padded rows ('cudnn') and ``buckets`` it also
+    the step after it is bit-identical to a step without it. With padded rows ('cudnn') it also
     runs every padded length up to the micro-batch budget (here 16, 32, 48, 64), so no step meets a new one."""
     groups = [synthetic_group([0.0, 1.0, 0.25]), synthetic_group([2.0, 0.0])]
     lengths = []
@@ -337,7 +337,7 @@ def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path, monkeypatch,
             before = _lora_state(trainer)
             rng = torch.get_rng_state()
             lengths.clear()
-            assert trainer.warm_up(buckets=True) > 0
+            assert trainer.warm_up() > 0
             assert torch.equal(torch.get_rng_state(), rng) and trainer.step == 0
             assert all(p.grad is None for p in trainer.model.parameters())
             assert all(torch.equal(before[n], w) for n, w in _lora_state(trainer).items())
