@@ -221,8 +221,8 @@ class TrainerConfig(BaseModel):
         default=512, ge=1,
         description="With attention_kernel 'cudnn', each packed row's attention runs on its length rounded up to "
         "a multiple of this: larger buckets mean fewer cuDNN plans to build in the warm-up (one per multiple up "
-        "to the micro-batch budget; 16k tokens at 512: 32 lengths, ~270k warm-up tokens) but more attention over "
-        "padding (up to bucket - 1 tokens a row). 1: no padding. Other kernels ignore it.",
+        "to the micro-batch budget; a 16k budget at 512: 32 lengths, ~254k warm-up tokens, at 256: 64, ~516k) but "
+        "more attention over padding (up to bucket - 1 tokens a row). 1: no padding. Other kernels ignore it.",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

@@ -17,16 +17,17 @@ which is what row ``r`` alone computes. Two ways to run it, each exact up to the
    ``sum(n_r^2)`` and measured 3.7x slower per layer (the update 1.16x) at the main job's 512-token micro-batches
    (benchmarks/results/packed-attention-cpu.md).
 
-Buckets (``rows`` path, ``PackedAttention.bucket`` = b > 1): each row's q/k/v of length n is zero-padded at its END to
-``m = ceil(n / b) * b`` and the SDPA output is cut back to n. cuDNN attention keys its execution plan by shapes and
-strides and builds one (~1.8 ms of host time) for each it has not seen; GRPO rows are new lengths every step, padded
-rows take ``L / b`` shapes at most, which the trainer's warm-up builds before step 0. Exact: with causal masking the
-real tokens (positions < n) never attend to the padding after them, and the padded queries' outputs are dropped, so
-their gradient is zero and so is every gradient that flows into the padding (dq of padded queries, dk and dv of
-padded keys, which only padded queries see). The cost is the attention over the padding: at most ``b - 1`` tokens a
-row, and one pad copy of q, k and v per row and layer. So that a shape maps to ONE plan, a padded row is its own
-tensor ``[1, H, m, D]`` laid out as q_proj writes it (strides ``(m*H*D, D, H*D, 1)``): no stride depends on the
-micro-batch's length.
+Buckets (``rows`` path, ``PackedAttention.bucket`` = b > 1): each row's q/k/v of length n is zero-padded at its END
+to ``m = ceil(n / b) * b`` and the SDPA output is cut back to n. cuDNN attention keys its execution plan by shapes
+and strides and builds one (~1.8 ms of host time) for each it has not seen; GRPO rows are new lengths every step,
+padded rows within a micro-batch budget B take ``ceil(B / b)`` shapes, which the trainer's warm-up builds before
+step 0. Exact: with causal masking the real tokens (positions < n) never attend to the padding after them, and the
+padded queries' outputs are dropped, so their gradient is zero and so is every gradient that flows into the padding
+(dq of padded queries, dk and dv of padded keys, which only padded queries see). The cost, per row and layer: the
+attention over the padding (at most ``b - 1`` tokens), one pad copy each of q, k and v in the forward, and in the
+backward the cut output's gradient zero-filled to ``m`` (a fill and a copy). So that a shape maps to ONE plan, a
+padded row is its own tensor ``[1, H, m, D]`` laid out as q_proj writes it (strides ``(m*H*D, D, H*D, 1)``): no
+stride depends on the micro-batch's length.
 
 Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype). The
 attention function, registered with transformers as ``trajflow_varlen``, gets the spans, the path, the SDPA kernel
