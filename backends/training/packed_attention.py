@@ -219,7 +219,9 @@ def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
     with kernels:
         for q, k, v, n in zip(*(_split_rows(x, lengths, packed.bucket) for x in (query, key, value)), lengths):
             out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
-            outs.append(out if out.shape[1] == n else out[:, :n])  # [1, m, H, D]: the padding's outputs dropped
+            # [1, m, H, D] -> its n real positions. Cut even where m == n: the gradient reaching SDPA's output is
+            # then a fresh [1, m, H, D] in every row, never a view whose strides depend on the micro-batch's length
+            outs.append(out[:, :n] if packed.bucket > 1 else out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
