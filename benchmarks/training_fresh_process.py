@@ -10,7 +10,7 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
   bucket and how many padded row lengths it built plans for);
 - ``first_in_process_tok_s``: row tokens / wall seconds of steps 1..3 of that process (the first steps after the
   one that paid the cold start);
-- ``steady_tok_s``: the same over the last ``--steady-steps`` steps;
+- ``steady_tok_s``: the same over the last ``--steady-steps`` steps (steps under ``--profile-steps`` left out of both);
 - per step: wall, GPU-busy time (CUDA events around the step), process CPU seconds, cudaMalloc calls, Dynamo
   graph count and compile seconds, so a slow step says whether it waited for the GPU, compiled or allocated.
 
@@ -165,9 +165,14 @@ def _rate(steps: list[dict]) -> float:
 
 
 def summarise_run(run: dict, steady_steps: int) -> dict:
+    """Rates over steps run without the profiler (a profiled step runs ~15% slower): first in process = steps 1-3,
+    steady = the last `steady_steps`."""
     s, spawned = run["steps"], run["spawned_at"]
-    steady = _rate(s[-steady_steps:])
-    flops = sum(x["flops_lora_aware"] for x in s[-steady_steps:]) / sum(x["wall_s"] for x in s[-steady_steps:])
+    plain = [x for x in s[1:] if "profile_by_cpu" not in x]
+    first = [x for x in s[1:4] if "profile_by_cpu" not in x]
+    window = plain[-steady_steps:]
+    steady = _rate(window)
+    flops = sum(x["flops_lora_aware"] for x in window) / sum(x["wall_s"] for x in window)
     return {
         "config": run["config"], "cache": run["cache"],
         "cold_start_s": round(s[0]["done_at"] - spawned, 2),
@@ -177,12 +182,13 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "warm_up_s": round(run["warm_up_s"], 2),
         "warm_up_runs": run.get("warm_up_runs", {}),
         "step0_s": round(s[0]["wall_s"], 2),
-        "first_in_process_tok_s": round(_rate(s[1:4])),
+        "first_in_process_tok_s": round(_rate(first)),
         "steady_tok_s": round(steady),
         "peak_gib": round(max(x["peak_gib"] for x in s), 1),
         "mfu_6n_percent": round(100 * 6 * run["n_params"] * steady / (PEAK_TFLOPS * 1e12), 1),
         "mfu_lora_aware_percent": round(100 * flops / (PEAK_TFLOPS * 1e12), 1),
         "step_wall_s": [round(x["wall_s"], 2) for x in s],
+        "steady_steps": [s.index(x) for x in window],
     }
 
 
