@@ -132,7 +132,9 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
     """Step 0 (or the resume point), then every step up to `config.steps`, each committed before the next."""
     check_run_identity(store.read_run_config(), config)
     check_sft_identity(config, store)
-    log.info("placement: %s", describe_placement(config, visible_gpus(config)))
+    # the GPUs there are, not visible_gpus(config): that skips torch and counts none where every device is 'auto',
+    # which the runtime resolves to cuda:0 on a GPU machine
+    log.info("placement: %s", describe_placement(config, visible_gpus()))
     committed = store.committed_steps()
     last = committed[-1] if committed else None
     resumed_from = last

@@ -21,7 +21,7 @@ FAKE_VLLM = textwrap.dedent('''
     p.add_argument("command"); p.add_argument("model")
     for flag in ("--host", "--port", "--served-model-name", "--max-lora-rank", "--max-loras", "--max-cpu-loras",
                  "--tool-call-parser", "--logprobs-mode", "--gpu-memory-utilization", "--max-model-len", "--dtype",
-                 "--seed"):
+                 "--seed", "--chat-template"):
         p.add_argument(flag)
     p.add_argument("--enable-lora", action="store_true"); p.add_argument("--enable-auto-tool-choice", action="store_true")
     args = p.parse_args()

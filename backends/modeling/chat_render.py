@@ -96,9 +96,10 @@ def tool_names(tools: list[dict] | None) -> list[str]:
     return names
 
 
-def chat_template_for(tokenizer, tools: list[dict] | None) -> str:
-    """The template that renders these messages: the model's (its tool-use variant with tools), or
-    ``TOOL_CHAT_TEMPLATE`` for a ChatML model whose template ignores tools."""
+def chat_template_for(tokenizer, tools: list[dict] | bool | None) -> str:
+    """The template that renders these messages (`tools`: the request's tools, or just whether there are any): the
+    model's (its tool-use variant with tools), or ``TOOL_CHAT_TEMPLATE`` for a ChatML model whose template ignores
+    tools. A server that renders chats itself (vLLM) must be given the same template: `tool_use_template`."""
     from backends.modeling.loading import TOOL_CHAT_TEMPLATE
 
     template = tokenizer.chat_template
@@ -111,6 +112,19 @@ def chat_template_for(tokenizer, tools: list[dict] | None) -> str:
             raise ChatRenderError("this model's chat template does not render tools")
         template = TOOL_CHAT_TEMPLATE
     return template
+
+
+def tool_use_template(tokenizer) -> str | None:
+    """The template a chat with tools needs when it is not the model's own (``TOOL_CHAT_TEMPLATE`` for a ChatML model
+    whose template ignores tools); None when the model's own renders tools, or when nothing here can (a
+    `ChatRenderError` for such a chat, raised where one is rendered)."""
+    try:
+        template = chat_template_for(tokenizer, tools=True)
+    except ChatRenderError:
+        return None
+    own = tokenizer.chat_template
+    own = own.get("tool_use") or own.get("default") if isinstance(own, dict) else own
+    return None if template == own else template
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, *,

@@ -5,7 +5,8 @@
     COMMAND... serve MODEL --host H --port P --served-model-name NAME
         --enable-lora --max-lora-rank R --max-loras N [--max-cpu-loras M]
         --enable-auto-tool-choice --tool-call-parser hermes
-        --logprobs-mode raw_logprobs --gpu-memory-utilization F [--max-model-len L] [--dtype D] EXTRA...
+        --logprobs-mode raw_logprobs --gpu-memory-utilization F [--max-model-len L] [--dtype D]
+        [--chat-template FILE] EXTRA...
 
 where COMMAND is ``vllm`` or any argv that runs vLLM's CLI (``/opt/vllm-env/bin/vllm``, ``python3 -m
 vllm.entrypoints.cli.main``), with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (so ``/v1/load_lora_adapter`` works) over
@@ -61,6 +62,10 @@ class VLLMConfig(BaseModel):
     tool_call_parser: str = Field("hermes", description=(
         "vLLM's tool-call parser; 'hermes' reads <tool_call>{json}</tool_call> as Qwen2.5 and our templates emit."))
     dtype: str | None = Field(None, description="Model dtype ('auto', 'bfloat16', ...); default vLLM's choice.")
+    chat_template: str | None = Field(None, description=(
+        "A chat template file vLLM renders chats with instead of the model's (`--chat-template`); a flag of the same "
+        "name in extra_args wins. The flow sets it where the model's template ignores tools (SmolLM2's ChatML): "
+        "the embedded server then renders tools with TOOL_CHAT_TEMPLATE, and vLLM must too."))
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, appended as is.")
     executable: list[str] = Field(["vllm"], description=(
         "The argv that runs vLLM's CLI, before 'serve' (a string is split like a shell would): 'vllm' on PATH, "
@@ -96,6 +101,8 @@ def build_command(cfg: VLLMConfig, port: int) -> list[str]:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.dtype is not None:
         cmd += ["--dtype", cfg.dtype]
+    if cfg.chat_template is not None and not any(a.split("=")[0] == "--chat-template" for a in cfg.extra_args):
+        cmd += ["--chat-template", cfg.chat_template]
     return cmd + list(cfg.extra_args)
 
 

@@ -9,12 +9,21 @@
 - Port 0 means a free port, as for the embedded server.
 - The device: ``cuda:K`` becomes CUDA_VISIBLE_DEVICES (``tasks/support/placement.py``), unless ``vllm_env`` sets it.
 - The log: ``<run>.vllm-<replica>.log`` beside the run's log file (``tasks/support/run_logs.py``).
+- The chat template: vLLM renders chats with the model folder's template, which for a ChatML model like SmolLM2
+  ignores ``tools``: the model would never see the tools it is asked to call (measured on the H200: the research
+  agent's SFT'd policy made no tool call through vLLM). Where the embedded server substitutes
+  ``TOOL_CHAT_TEMPLATE`` (`backends/modeling/chat_render.py::tool_use_template`), the same template is written
+  beside vLLM's log (``<run>.vllm-<replica>.chat-template.jinja``) and passed as ``--chat-template``, so both
+  backends give the model the same prompt.
 """
 
 from __future__ import annotations
 
 import os
 
+from pathlib import Path
+
+from backends.modeling.chat_render import tool_use_template
 from backends.modeling.loading import resolve_model
 from backends.serving.vllm import VLLMConfig
 from tasks.run_config import RunConfig
@@ -33,6 +42,20 @@ def vllm_env(spec: list[str] | dict[str, str | None], environ: dict[str, str] | 
     return {name: environ[name] for name in spec}
 
 
+def chat_template_file(model_folder: Path, log_file: Path) -> str | None:
+    """The ``--chat-template`` file for vLLM serving `model_folder` (written beside `log_file`), or None when the
+    model's own template renders tools (module docstring)."""
+    from transformers import AutoTokenizer
+
+    template = tool_use_template(AutoTokenizer.from_pretrained(str(model_folder)))
+    if template is None:
+        return None
+    path = log_file.with_name(log_file.stem + ".chat-template.jinja")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(template)
+    return str(path)
+
+
 def vllm_config(config: RunConfig, api_key: str | None, device: str | None = None,
                 port: int | None = None, replica: int = 0) -> VLLMConfig:
     """The launcher's config for replica `replica` of this run's vLLM (module docstring) on `device` ('cuda:K'; None:
@@ -42,11 +65,12 @@ def vllm_config(config: RunConfig, api_key: str | None, device: str | None = Non
     env = vllm_env(inf.vllm_env)
     if device is not None and device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" not in env:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible([device], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    log_file = server_log_file(config.project, config.run, "vllm", replica)
     return VLLMConfig(
         model=str(spec.path), served_model_name=spec.name, host=inf.host, port=inf.port if port is None else port,
         api_key=api_key,
         max_lora_rank=inf.max_lora_rank, max_loras=inf.max_loras,
         gpu_memory_utilization=inf.gpu_memory_utilization, max_model_len=inf.max_model_len,
         tool_call_parser=inf.tool_call_parser, executable=inf.vllm_command, env=env,
-        log_path=str(server_log_file(config.project, config.run, "vllm", replica)),
+        chat_template=chat_template_file(spec.path, log_file), log_path=str(log_file),
     )

@@ -115,3 +115,47 @@ def test_vllm_dying_mid_rollouts_fails_the_task_clearly_and_the_retry_restarts_i
         assert [load["lora_name"] for load in loads] == [config.policy(0)]
     finally:
         close_runtime(config)
+
+
+CHATML_WITHOUT_TOOLS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_vllm_gets_the_tool_template_where_the_models_own_ignores_tools(fake_vllm, tmp_path):
+    """SmolLM2's ChatML template drops `tools`; the embedded server renders them with TOOL_CHAT_TEMPLATE, so vLLM is
+    given the same template as --chat-template (on the H200 the SFT'd research policy made no tool call without)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from backends.modeling.chat_render import render_chat
+    from backends.modeling.loading import TOOL_CHAT_TEMPLATE
+    from backends.serving.vllm import build_command
+
+    script, record = fake_vllm
+    chatml = tmp_path / "chatml-model"
+    shutil.copytree(ensure_tiny_random(), chatml)
+    tok = AutoTokenizer.from_pretrained(str(chatml))
+    tok.chat_template = CHATML_WITHOUT_TOOLS
+    tok.save_pretrained(str(chatml))
+
+    rt = _served(_config(tmp_path, f"inference.vllm_command=[{script}]", f"base_model={chatml}"))
+    rt.close()
+    template = json.loads(record.read_text())["args"]["chat_template"]
+    assert template and open(template).read() == TOOL_CHAT_TEMPLATE
+    # the prompt vLLM renders from that file is the embedded server's, tools included
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "find it"}]
+    ours = render_chat(AutoTokenizer.from_pretrained(str(chatml)), messages, tools, add_generation_prompt=True)
+    theirs = tok.apply_chat_template(messages, tools=tools, chat_template=open(template).read(),
+                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ours == list(theirs) and "search" in tok.decode(ours)
+
+    rt = _served(_config(tmp_path, f"inference.vllm_command=[{script}]"))  # tiny-random's own template has tools
+    rt.close()
+    assert json.loads(record.read_text())["args"]["chat_template"] is None
+
+    config = _config(tmp_path, f"inference.vllm_command=[{script}]", f"base_model={chatml}")
+    cfg = vllm_config(config, None).model_copy(update={"extra_args": ["--chat-template", "/users/own.jinja"]})
+    argv = build_command(cfg, 8000)
+    assert argv.count("--chat-template") == 1 and argv[-1] == "/users/own.jinja"  # the user's own flag wins
