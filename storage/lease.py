@@ -178,13 +178,16 @@ class RunLease:
                         self._write(now, exclusive=True)
                     except AlreadyExistsError:
                         continue  # another process created it first: look at its record
-                    break
-                if current is not None and current.owner != self.owner:
-                    reason = current.takeover_reason(now)
-                    if reason is None:
-                        raise RunLeaseHeldError(self.held_message(current, now))
-                    log.warning("run %s: taking over the lease of %s: %s", self.label, current.describe(now), reason)
-                self._write(now)
+                else:
+                    if current is not None and current.owner != self.owner:
+                        reason = current.takeover_reason(now)
+                        if reason is None:
+                            raise RunLeaseHeldError(self.held_message(current, now))
+                        log.warning("run %s: taking over the lease of %s: %s", self.label, current.describe(now),
+                                    reason)
+                    self._write(now)
+                # read back after a create too: a store whose conditional PUT is not atomic with its existence
+                # check (moto's threaded server is one) can let two creates succeed; the record that stayed wins
                 stored = self.holder()
                 if stored is not None and stored.owner != self.owner:
                     raise RunLeaseHeldError(self.held_message(stored))
