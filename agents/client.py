@@ -170,6 +170,7 @@ def policy_client(base_url: str | list[str], api_key: str | None = None, timeout
     """An AsyncOpenAI for a policy server (embedded or vLLM) with the transport above; given several base URLs
     (inference replicas), requests are spread over them by ``agents/replica_router.py``."""
     from agents.aiohttp_transport import AiohttpTransport
+    from agents.chat_create import PolicyOpenAI
     from agents.replica_router import ReplicaRouter
 
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
@@ -178,5 +179,5 @@ def policy_client(base_url: str | list[str], api_key: str | None = None, timeout
         inner = ReplicaRouter(urls, inner, rollout=current_rollout)
     http_client = httpx.AsyncClient(transport=PolicyTransport(inner), timeout=timeout,
                                     verify=shared_ssl_context())
-    return AsyncOpenAI(base_url=urls[0], api_key=api_key or "EMPTY", http_client=http_client,
+    return PolicyOpenAI(base_url=urls[0], api_key=api_key or "EMPTY", http_client=http_client,
                        max_retries=max_retries, timeout=timeout)

@@ -1,0 +1,101 @@
+"""``chat.completions.create`` of the policy client: the openai client's call, less its per-call parameter walk.
+
+The openai client turns the keyword arguments of ``create`` into the request body with ``async_maybe_transform``:
+a recursive walk of every value against the ``TypedDict`` annotations of the parameters (renaming aliased keys,
+formatting dates and files, dumping pydantic models). For a chat request that walk tries every member of the
+message union on every message, and it was the largest part of the flow process's CPU time per call (measured in
+``benchmarks/rollout_client_cpu.py``: about 60% of the client side of an arithmetic rollout). The chat parameters
+declare no alias and no format, so on plain JSON values (dicts with string keys, lists, strings, numbers, booleans,
+None) the walk returns its input less the omitted values: :class:`PolicyCompletions` builds that body directly and
+posts it with the same options and response type as openai's ``create``.
+
+Simplifications, each falling back to openai's own ``create`` (same answer, full cost):
+
+1. Only plain JSON values take the short path: a pydantic message (``choice.message`` appended as is), a tuple or
+   a generator of messages, a ``response_format`` class, a date go through the transform.
+2. Only the parameters ``create`` declares: an unknown keyword goes to openai, which raises its ``TypeError``.
+3. Streaming requests go to openai (rollouts do not stream; the stream's chunk parsing dominates there anyway).
+
+Everything else the client does is unchanged: retries, error types, auth headers, ``with_raw_response``,
+``extra_headers`` / ``extra_body`` / ``timeout``, and the ``ChatCompletion`` it returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from openai import AsyncOpenAI, AsyncStream
+from openai._base_client import make_request_options
+from openai._utils import is_given
+from openai._compat import cached_property
+from openai.resources.chat import AsyncChat
+from openai.resources.chat.completions import AsyncCompletions
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+_REQUEST_OPTIONS = ("extra_headers", "extra_query", "extra_body", "timeout")
+# The body's keys: every keyword of the installed openai's create except the request options.
+BODY_KEYS: frozenset[str] = frozenset(
+    name for name, p in inspect.signature(AsyncCompletions.create).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _REQUEST_OPTIONS)
+# The options openai's create adds of its own (bearer auth, in clients that have per-request security options).
+_OWN_OPTIONS: dict[str, Any] = (
+    {"security": {"bearer_auth": True}} if "security" in inspect.signature(make_request_options).parameters else {})
+
+
+def is_plain_json(value: Any) -> bool:
+    """True when `value` is made only of dicts with string keys, lists, str, int, float, bool and None."""
+    if value is None or type(value) in (str, int, float, bool):
+        return True
+    if type(value) is list:
+        return all(is_plain_json(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and is_plain_json(v) for k, v in value.items())
+    return False
+
+
+def plain_body(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The request body openai's transform would make of `params` (create's keywords), or None where it could
+    differ (see the module docstring's list)."""
+    if params.get("stream") or "messages" not in params or "model" not in params:
+        return None
+    body: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in _REQUEST_OPTIONS:
+            continue
+        if key not in BODY_KEYS:
+            return None
+        if value is None or type(value) in (str, int, float, bool):
+            body[key] = value
+        elif type(value) in (list, dict) and is_plain_json(value):
+            body[key] = value
+        elif is_given(value):
+            return None
+    return body
+
+
+class PolicyCompletions(AsyncCompletions):
+    """openai's chat completions resource; ``create`` skips the parameter walk on plain JSON parameters."""
+
+    async def create(self, **params: Any) -> Any:  # type: ignore[override]
+        body = plain_body(params)
+        if body is None:
+            return await super().create(**params)
+        options = {k: params[k] for k in _REQUEST_OPTIONS if k in params}
+        return await self._post(
+            "/chat/completions", body=body, options=make_request_options(**options, **_OWN_OPTIONS),
+            cast_to=ChatCompletion, stream=False, stream_cls=AsyncStream[ChatCompletionChunk])
+
+
+class PolicyChat(AsyncChat):
+    @cached_property
+    def completions(self) -> PolicyCompletions:
+        return PolicyCompletions(self._client)
+
+
+class PolicyOpenAI(AsyncOpenAI):
+    """An ``AsyncOpenAI`` whose ``chat.completions.create`` is :class:`PolicyCompletions`'s; all else is openai's."""
+
+    @cached_property
+    def chat(self) -> PolicyChat:
+        return PolicyChat(self)
