@@ -19,7 +19,6 @@ import contextlib
 import contextvars
 import functools
 import hashlib
-import json
 import ssl
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,8 @@ from typing import Any
 
 import httpx
 from openai import AsyncOpenAI
+
+from agents import json_codec
 
 
 @dataclass
@@ -119,9 +120,9 @@ class PolicyTransport(httpx.AsyncBaseTransport):
         if not _is_chat(request):
             return await self._inner.handle_async_request(request)
         ctx = current_rollout()
-        body = json.loads(request.content or b"{}")
+        body, encode = json_codec.decode(request.content or b"{}")
         add_training_fields(body, ctx)
-        content = json.dumps(body).encode()
+        content = encode(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
         new_request = httpx.Request(request.method, request.url, headers=headers, content=content,
                                     extensions=request.extensions)
@@ -132,7 +133,7 @@ class PolicyTransport(httpx.AsyncBaseTransport):
         raw = await response.aread()
         await response.aclose()
         try:
-            data = json.loads(raw)
+            data, encode = json_codec.decode(raw)
         except ValueError:
             data = None
         if response.status_code == 200 and isinstance(data, dict):
@@ -141,7 +142,7 @@ class PolicyTransport(httpx.AsyncBaseTransport):
                 if prompt_ids is not None:
                     choice.setdefault("prompt_token_ids", prompt_ids)
                 choice.setdefault("policy", data.get("model"))
-            raw = json.dumps(data).encode()
+            raw = encode(data)
         if ctx is not None:
             usage = (data or {}).get("usage") or {} if isinstance(data, dict) else {}
             choices = (data or {}).get("choices") or [] if isinstance(data, dict) else []

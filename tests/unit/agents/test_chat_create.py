@@ -147,3 +147,50 @@ def test_arithmetic_rollouts_record_the_same_trajectories(server):
     assert got == ref
     turn = got[0]["messages_and_choices"][-1]
     assert turn["token_ids"] and len(turn["logprobs"]) == len(turn["token_ids"]) and turn["prompt_token_ids"]
+
+
+TOOL_ANSWER = {
+    "id": "c", "object": "chat.completion", "created": 5, "model": "m@1", "prompt_token_ids": [1, 2],
+    "system_fingerprint": None, "kv_transfer_params": None,
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": None, "token_ids": [3, 4],
+                 "prompt_token_ids": [1, 2], "policy": "m@1",
+                 "message": {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": [
+                     {"id": "x", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+                 "logprobs": {"content": [
+                     {"token": "a", "logprob": -0.5, "bytes": [97],
+                      "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": None}]},
+                     {"token": "b", "logprob": -1, "bytes": None, "top_logprobs": []}]}}],
+    "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "prompt_tokens_details": None}}
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the string `created`, dumped by both clients
+@pytest.mark.parametrize("answer", [TOOL_ANSWER, {**TOOL_ANSWER, "created": "5"}], ids=["valid", "string created"])
+def test_answers_build_as_openai_builds_them(answer):
+    from openai.types.chat import ChatCompletion
+
+    stock = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")
+    ours = policy_client("http://127.0.0.1:9/v1")
+    ref = stock._process_response_data(data=answer, cast_to=ChatCompletion, response=None)
+    got = ours._process_response_data(data=answer, cast_to=ChatCompletion, response=None)
+    assert type(got) is type(ref)
+    for dump in ("model_dump", "to_dict", "to_json", "model_dump_json"):
+        assert getattr(got, dump)() == getattr(ref, dump)()
+    assert got.choices[0].message.tool_calls[0].function.name == "add"
+    assert got.choices[0].token_ids == [3, 4] and got.choices[0].logprobs.content[1].logprob == -1.0
+    assert got.created == answer["created"]  # the string is kept as sent (openai's construct), never coerced
+
+
+def test_json_codec_writes_back_the_same_value():
+    import json
+
+    from agents.json_codec import decode
+
+    fast = b'{"a": [1, -0.5, 1e-05, "\\u00e9"], "b": null}'
+    value, encode = decode(fast)
+    assert json.loads(encode(value)) == json.loads(fast)
+    for raw in (b'{"lp": -Infinity, "x": NaN}', b'{"id": 123456789012345678901234567890}'):
+        value, encode = decode(raw)  # the stdlib's reading, and its writing back
+        assert encode(value) == json.dumps(json.loads(raw)).encode()
+    assert decode(b'{"id": 123456789012345678901234567890}')[0]["id"] == 123456789012345678901234567890
+    with pytest.raises(ValueError):
+        decode(b"not json")
