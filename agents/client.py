@@ -123,7 +123,8 @@ class PolicyTransport(httpx.AsyncBaseTransport):
         body, encode = json_codec.decode(request.content or b"{}")
         add_training_fields(body, ctx)
         content = encode(body)
-        headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
+        headers = request.headers.copy()  # httpx sets the new body's length
+        headers.pop("content-length", None)
         new_request = httpx.Request(request.method, request.url, headers=headers, content=content,
                                     extensions=request.extensions)
         started = time.perf_counter()
@@ -158,8 +159,9 @@ class PolicyTransport(httpx.AsyncBaseTransport):
             ctx.records.append(record)
             if ctx.observer is not None:
                 ctx.observer(record)
-        headers = [(k, v) for k, v in response.headers.items()
-                   if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
+        headers = response.headers.copy()
+        for name in ("content-length", "content-encoding", "transfer-encoding"):
+            headers.pop(name, None)
         return httpx.Response(response.status_code, headers=headers, content=raw, request=new_request)
 
     async def aclose(self) -> None:
