@@ -52,15 +52,27 @@ _OWN_OPTIONS: dict[str, Any] = (
     {"security": {"bearer_auth": True}} if "security" in inspect.signature(make_request_options).parameters else {})
 
 
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
 def is_plain_json(value: Any) -> bool:
-    """True when `value` is made only of dicts with string keys, lists, str, int, float, bool and None."""
-    if value is None or type(value) in (str, int, float, bool):
-        return True
-    if type(value) is list:
-        return all(is_plain_json(v) for v in value)
-    if type(value) is dict:
-        return all(type(k) is str and is_plain_json(v) for k, v in value.items())
-    return False
+    """True when `value` is made only of dicts with string keys, lists, str, int, float, bool and None (exact types:
+    a subclass may serialize otherwise). A loop, not recursion: a deep conversation cannot reach the stack limit."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if kind is list:
+            stack.extend(item)
+        elif kind is dict:
+            if not all(type(k) is str for k in item):
+                return False
+            stack.extend(item.values())
+        else:
+            return False
+    return True
 
 
 def plain_body(params: dict[str, Any]) -> dict[str, Any] | None:

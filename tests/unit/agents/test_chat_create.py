@@ -194,3 +194,19 @@ def test_json_codec_writes_back_the_same_value():
     assert decode(b'{"id": 123456789012345678901234567890}')[0]["id"] == 123456789012345678901234567890
     with pytest.raises(ValueError):
         decode(b"not json")
+
+
+def test_plain_json_is_exact_types_only():
+    from agents.chat_create import is_plain_json
+
+    assert is_plain_json({"a": [1, 2.5, "x", None, True, {"b": []}]})
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    assert is_plain_json(deep)
+    assert not is_plain_json({"a": (1, 2)}) and not is_plain_json({1: "x"}) and not is_plain_json([b"x"])
+
+    class Text(str):
+        pass
+
+    assert not is_plain_json([Text("x")])
