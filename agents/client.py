@@ -110,6 +110,16 @@ def _is_chat(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.rstrip("/").endswith("/chat/completions")
 
 
+class _JsonAnswer(httpx.Response):
+    """An answer whose ``json()`` (what the openai client parses it with) reads with orjson where that is exact
+    (`agents.json_codec`): the stdlib's parser takes about 0.8 ms for an answer of 512 tokens with logprobs."""
+
+    def json(self, **kwargs: Any) -> Any:
+        if kwargs:
+            return super().json(**kwargs)
+        return json_codec.decode(self.content)[0]
+
+
 class PolicyTransport(httpx.AsyncBaseTransport):
     """Rewrites chat requests and responses as described in the module docstring."""
 
@@ -162,7 +172,7 @@ class PolicyTransport(httpx.AsyncBaseTransport):
         headers = response.headers.copy()
         for name in ("content-length", "content-encoding", "transfer-encoding"):
             headers.pop(name, None)
-        return httpx.Response(response.status_code, headers=headers, content=raw, request=new_request)
+        return _JsonAnswer(response.status_code, headers=headers, content=raw, request=new_request)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
