@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Awaitable, Iterable
 from typing import Any, Literal
 
+from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 Message = dict[str, Any]
@@ -60,24 +61,43 @@ class SampledTurn(BaseModel):
         token ids are absent but logprob tokens read ``token_id:<n>`` (vLLM's
         ``return_tokens_as_token_ids``), the ids are parsed from those.
         """
-        data = choice.model_dump(mode="json") if hasattr(choice, "model_dump") else dict(choice)
-        message = {k: v for k, v in (data.get("message") or {}).items() if v is not None}
+        if isinstance(choice, Choice):
+            # Read the fields off the object: dumping the whole choice would also dump one pydantic object per
+            # sampled token (about 0.45 ms for 512 tokens) only to read their logprobs back.
+            message = choice.message.model_dump(mode="json") if choice.message is not None else {}
+            entries = (choice.logprobs.content if choice.logprobs is not None else None) or []
+            logprobs = [float(e.logprob) for e in entries]
+
+            def token(entry: Any) -> str:
+                return str(entry.token)
+
+            def field(name: str) -> Any:  # a declared field or one of the server's extra fields
+                return getattr(choice, name, None)
+        else:
+            data = choice.model_dump(mode="json") if hasattr(choice, "model_dump") else dict(choice)
+            message = data.get("message") or {}
+            entries = ((data.get("logprobs") or {}).get("content")) or []
+            logprobs = [float(e["logprob"]) for e in entries]
+
+            def token(entry: Any) -> str:
+                return str(entry.get("token", ""))
+
+            field = data.get
+        message = {k: v for k, v in message.items() if v is not None}
         message.setdefault("role", "assistant")
         for key in ("refusal", "audio", "annotations", "function_call", "tool_calls"):
             if not message.get(key):
                 message.pop(key, None)
-        content_lp = ((data.get("logprobs") or {}).get("content")) or []
-        logprobs = [float(e["logprob"]) for e in content_lp]
-        token_ids = data.get("token_ids")
-        if token_ids is None and content_lp and all(str(e.get("token", "")).startswith("token_id:") for e in content_lp):
-            token_ids = [int(str(e["token"]).split(":", 1)[1]) for e in content_lp]
+        token_ids = field("token_ids")
+        if token_ids is None and entries and all(token(e).startswith("token_id:") for e in entries):
+            token_ids = [int(token(e).split(":", 1)[1]) for e in entries]
         return cls(
             message=message,
-            prompt_token_ids=list(data.get("prompt_token_ids") or []),
+            prompt_token_ids=list(field("prompt_token_ids") or []),
             token_ids=list(token_ids or []),
             logprobs=logprobs,
-            finish_reason=data.get("finish_reason"),
-            policy=data.get("policy") or data.get("model"),
+            finish_reason=field("finish_reason"),
+            policy=field("policy") or field("model"),
         )
 
 

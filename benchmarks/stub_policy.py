@@ -16,11 +16,14 @@ import time
 
 
 class StubPolicyServer:
-    def __init__(self, answer: str = "<answer>4</answer>", tokens: int = 8):
+    def __init__(self, answer: str = "<answer>4</answer>", tokens: int = 8, prompt_tokens: int = 19,
+                 record: bool = False):
         import uvicorn
 
-        self.answer, self.tokens = answer, tokens
+        self.answer, self.tokens, self.prompt_tokens = answer, tokens, prompt_tokens
         self.requests = 0
+        self.record = record
+        self.chat_requests: list[tuple[dict, dict]] = []  # (headers, body) of each chat completion, when recording
         self.clients: set[tuple] = set()  # the (host, port) of every connection a chat completion came on
         self.adapters: set[str] = set()
         sock = socket.socket()
@@ -41,7 +44,7 @@ class StubPolicyServer:
             self.adapters.discard(body.get("lora_name"))
             return {"status": "ok"}
         self.requests += 1
-        prompt_ids = list(range(1, 20))
+        prompt_ids = list(range(1, self.prompt_tokens + 1))
         n, seed = int(body.get("n") or 1), int(body.get("seed") or 0)
         k = min(self.tokens, int(body.get("max_tokens") or self.tokens))
         if not path.endswith("/chat/completions"):
@@ -80,6 +83,8 @@ class StubPolicyServer:
             if not message.get("more_body"):
                 break
         path = scope["path"]
+        if self.record and path.endswith("/chat/completions"):
+            self.chat_requests.append(({k.decode(): v.decode() for k, v in scope["headers"]}, json.loads(raw)))
         if scope["method"] == "GET":
             data = [{"id": m, "object": "model", "created": 0, "owned_by": "stub"}
                     for m in ["stub-base", *sorted(self.adapters)]]

@@ -69,6 +69,8 @@ class RawServer:
                 payload, extra = json.dumps(CHAT).encode(), b""
                 if path.endswith("/gzip"):
                     payload, extra = gzip.compress(payload), b"content-encoding: gzip\r\n"
+                if "/cookie/" in path:
+                    extra = b"set-cookie: session=abc; Path=/\r\n"
                 status = b"404 Not Found" if path.endswith("/missing") else b"200 OK"
                 writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
                              % (status, extra, len(payload), payload))
@@ -169,3 +171,20 @@ def test_failures_are_the_httpx_errors_of_the_same_meaning(raw_server, where, ht
         asyncio.run(raw())
     with pytest.raises(openai_error):
         asyncio.run(through_openai())
+
+
+def test_cookies_an_answer_sets_go_with_later_requests(raw_server):
+    async def main():
+        client = policy_client(raw_server.url + "/v1", api_key="k", max_retries=0)
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2"}])
+            await client.post(raw_server.url + "/cookie/v1/chat/completions", cast_to=object,
+                              body={"model": "m", "messages": []})
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2"}])
+        finally:
+            await client.close()
+        return dict(client._client.cookies)
+
+    cookies = asyncio.run(main())
+    assert cookies == {"session": "abc"}
+    assert [r["headers"].get("cookie") for r in raw_server.requests] == [None, None, "session=abc"]

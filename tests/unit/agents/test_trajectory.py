@@ -133,3 +133,30 @@ def test_group_from_awaitables_records_exceptions():
     assert back.rewards == group.rewards
     assert all(isinstance(e, RecordedException) for e in back.exceptions)
     assert not math.isnan(sum(back.rewards))
+
+
+def test_a_choice_object_is_captured_as_its_dump_is():
+    """SampledTurn reads an openai Choice's fields off the object; the result equals capturing its JSON dump."""
+    from openai.types.chat import ChatCompletion
+
+    from agents.trajectory import SampledTurn
+
+    def lp(token):
+        return {"token": token, "logprob": -0.25, "bytes": None, "top_logprobs": []}
+
+    answers = [
+        {"index": 0, "finish_reason": "tool_calls", "token_ids": [5, 6], "prompt_token_ids": [1, 2], "policy": "m@3",
+         "message": {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+             {"id": "t", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+         "logprobs": {"content": [lp("a"), lp("b")]}},
+        {"index": 1, "finish_reason": "length", "message": {"role": "assistant", "content": "hi"},
+         "logprobs": {"content": [lp("token_id:7"), lp("token_id:8")]}},  # ids only in the tokens
+        {"index": 2, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}, "logprobs": None},
+    ]
+    completion = ChatCompletion.model_validate({"id": "c", "object": "chat.completion", "created": 0, "model": "m@1",
+                                                "choices": answers})
+    for choice in completion.choices:
+        turn = SampledTurn.from_choice(choice)
+        assert turn == SampledTurn.from_choice(choice.model_dump(mode="json"))
+    assert SampledTurn.from_choice(completion.choices[1]).token_ids == [7, 8]
+    assert SampledTurn.from_choice(completion.choices[0]).message["tool_calls"][0]["function"]["name"] == "add"
