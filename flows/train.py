@@ -58,6 +58,7 @@ from tasks.support.progress import flush_progress
 from tasks.support.reporting import format_step_line, publish_run_artifacts
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
+from tasks.support.tag_limits import with_tag_limits
 from tasks.support.tracking import track_step
 from tasks.training import initialize_policy_fn, train_policy, train_time_metrics
 
@@ -140,7 +141,7 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
     resumed_from = last
     if last is None:
         if config.sft is not None:  # step 0 is the SFT'd adapter (tasks/sft.py)
-            training = with_run_storage(sft_policy)(config, 0)
+            training = with_tag_limits(with_run_storage(sft_policy))(config, 0)
         else:
             training = initialize_policy_fn(config)
         store.write_run_config(config.model_dump(mode="json"))  # step 0 exists: the run is this config's now
@@ -170,7 +171,7 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
             with timer("score"):
                 scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
             with timer("train"):
-                training = with_run_storage(train_policy)(config, step)
+                training = with_tag_limits(with_run_storage(train_policy))(config, step)
             with timer("publish"):
                 publish = with_run_storage(publish_policy)(config, step, training)
             metrics = merge_step_metrics(scored["metrics"], training["metrics"], publish["metrics"])

@@ -69,8 +69,8 @@ def train_time_metrics(config: RunConfig, step: int, train_s: float, training: d
     """The flow's train stage, ``time/train_s`` = `train_s`, split (the train/* parts are in `training`'s metrics):
 
     - ``time/train_task_s``: the task's body in this process (0 when Prefect returned the cached result);
-    - ``time/train_orchestration_s`` = train_s - task: Prefect's task run around it (cache key and lookup, state
-      reports, result persistence);
+    - ``time/train_orchestration_s`` = train_s - task: Prefect's task run around it (the read of its tag's
+      concurrency limit, tasks/support/tag_limits.py; cache key and lookup, state reports, result persistence);
     - ``time/train_load_s``: putting the trainer at checkpoint step-1 (0 when it already holds it);
     - ``time/train_other_s`` = task - load - ``train/stage_s``, when this body trained the step: the runtime and
       finished-step look-ups, the write of training.json (with ``training.gpus`` > 1 or a deployment: starting and
