@@ -2,7 +2,7 @@
 
 The training flow runs for real (Prefect tasks with persisted results, run store, Parquet groups,
 checkpoint upload, publish, commit, artifacts) against an instant stub policy server, with the
-tiny-random trainer, for 8 groups x 8 rollouts per step. Per step:
+tiny-random trainer, for 8 groups x 8 rollouts per step (``--groups``, ``--group-size``). Per step:
 
     overhead   = time/step_s - train/update_s     (the stub makes generation ~free; what the issue's figures measure)
     commit_gap = (commit time of step s - commit time of step s-1) - train/update_s
@@ -16,6 +16,9 @@ commit's script, run alternately with this one), kept under ``before`` with the 
 ``--also FILE...`` are earlier runs of this code, pooled with this run into ``summary`` (medians over every steady
 step of every run; ``*_min`` the least, the figure least disturbed by other work). The file written earlier to
 ``--out`` is kept under ``before`` too. ``--profile DIR`` runs each flow under cProfile (``DIR/<storage>-k<k>.prof``).
+``--stub-latency-s`` makes each chat completion of the stub wait (asleep), so that steps last as long as on a GPU
+(Prefect's task engine remembers for 5 s that a tag has no concurrency limit: a longer step asks again).
+``--modes`` picks which of the four flows run (``local``, ``local_k1``, ``s3``, ``s3_k1``; all by default).
 
     .venv/bin/python benchmarks/orchestration.py --steps 5 --out benchmarks/results/orchestration.json
 """
@@ -37,13 +40,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GROUPS, GROUP_SIZE = 8, 8
+MODES = ("local", "local_k1", "s3", "s3_k1")
 
 
-def run_flow(root: str, run: str, policy_url: str, steps: int, env: dict, k: int, profile: str | None) -> float:
+def run_flow(root: str, run: str, policy_url: str, steps: int, env: dict, k: int, profile: str | None,
+             groups: int, group_size: int) -> float:
     cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "flows.train",
            "configs/tiny.yaml", "--set", f"storage={root}", "--set", f"run={run}", "--set", f"steps={steps}",
-           "--set", f"groups_per_step={GROUPS}", "--set", f"group_size={GROUP_SIZE}", "--set", "inference.backend=url",
+           "--set", f"groups_per_step={groups}", "--set", f"group_size={group_size}", "--set", "inference.backend=url",
            "--set", f"inference.url={policy_url}", "--set", "inference.probe_tolerance=1000000",
            "--set", "rollouts.concurrency=64", "--set", "retention.best_metric=null",
            "--set", f"pipeline.max_off_policy_steps={k}"]
@@ -81,10 +85,11 @@ def summarize(rows: list[dict]) -> dict:
             "commit_gap_median_s": statistics.median(r["commit_gap_s"] for r in steady)}
 
 
-def measure(kind: str, root: str, stub, steps: int, env: dict, k: int, profile_dir: str | None) -> dict:
+def measure(kind: str, root: str, stub, steps: int, env: dict, k: int, profile_dir: str | None,
+            shape: tuple[int, int]) -> dict:
     run = f"orchestration-k{k}"
     profile = f"{profile_dir}/{kind}-k{k}.prof" if profile_dir else None
-    wall = run_flow(root, run, stub.base_url, steps, env, k, profile)
+    wall = run_flow(root, run, stub.base_url, steps, env, k, profile, *shape)
     rows = step_overheads(root, run)
     print(f"{kind} k={k}: {summarize(rows)}", flush=True)
     return {"wall_s": wall, "steps": rows, **summarize(rows)}
@@ -96,7 +101,8 @@ def pooled(runs: list[dict], kinds: tuple[str, ...]) -> dict:
     out: dict = {"runs_pooled": len(runs)}
     for kind in kinds:
         rows = [r for run in runs if kind in run for r in run[kind]["steps"][1:]]
-        for field, key in (("overhead_s", "overhead_s"), ("commit_gap_s", "commit_gap_s")):
+        for field, key in (("overhead_s", "overhead_s"), ("commit_gap_s", "commit_gap_s"),
+                           ("train_orchestration_s", "time/train_orchestration_s")):
             values = [r[key] for r in rows if key in r]
             if values:
                 out[f"{field}_{kind}"] = statistics.median(values)
@@ -104,9 +110,29 @@ def pooled(runs: list[dict], kinds: tuple[str, ...]) -> dict:
     return out
 
 
+def _moto_storage(env: dict, tmp: str):
+    """A moto S3 server on 127.0.0.1 with the bucket ``bench-runs``: (server, the flow's environment for it)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    env_s3 = {**env, "PREFECT_HOME": f"{tmp}/home-s3", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+              "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    boto3.client("s3", endpoint_url=env_s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                 aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench-runs")
+    os.environ.update({k: v for k, v in env_s3.items() if k.startswith("AWS_")})
+    return moto, env_s3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--groups", type=int, default=8, help="groups per step")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per group")
+    parser.add_argument("--stub-latency-s", type=float, default=0.0, help="each chat completion waits this long")
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="the flows to run")
     parser.add_argument("--out", default="benchmarks/results/orchestration.json")
     parser.add_argument("--baseline", nargs="*", default=[], help="runs of the code before, pooled under before")
     parser.add_argument("--also", nargs="*", default=[], help="earlier runs of this code, pooled into summary")
@@ -126,34 +152,31 @@ def main() -> int:
     if args.baseline:
         bases = [json.loads(Path(f).read_text()) for f in args.baseline]
         before["baseline"] = {**pooled(bases, ("local", "s3")), "runs": bases}
-    stub = StubPolicyServer()
+    stub = StubPolicyServer(latency_s=args.stub_latency_s)
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
-    results: dict = {"config": {"groups_per_step": GROUPS, "group_size": GROUP_SIZE, "steps": args.steps,
-                                "trainer_model": "tiny-random", "policy": "instant stub server"}}
+    shape = (args.groups, args.group_size)
+    results: dict = {"config": {"groups_per_step": args.groups, "group_size": args.group_size, "steps": args.steps,
+                                "trainer_model": "tiny-random", "policy": "instant stub server",
+                                "stub_latency_s": args.stub_latency_s}}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         env_local = {**env, "PREFECT_HOME": f"{tmp}/home-local"}
-        results["local"] = measure("local", f"{tmp}/runs", stub, args.steps, env_local, 0, args.profile)
-        results["local_k1"] = measure("local", f"{tmp}/runs", stub, args.steps, env_local, 1, args.profile)
-
-        from moto.server import ThreadedMotoServer
-
-        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        moto.start()
-        host, port = moto.get_host_and_port()
-        env_s3 = {**env, "PREFECT_HOME": f"{tmp}/home-s3", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                  "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-        import boto3
-
-        boto3.client("s3", endpoint_url=env_s3["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                     aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench-runs")
-        os.environ.update({k: v for k, v in env_s3.items() if k.startswith("AWS_")})
-        results["s3"] = measure("s3", "s3://bench-runs/runs", stub, args.steps, env_s3, 0, args.profile)
-        results["s3_k1"] = measure("s3", "s3://bench-runs/runs", stub, args.steps, env_s3, 1, args.profile)
-        moto.stop()
+        for mode, k in (("local", 0), ("local_k1", 1)):
+            if mode in args.modes:
+                results[mode] = measure("local", f"{tmp}/runs", stub, args.steps, env_local, k, args.profile, shape)
+        if {"s3", "s3_k1"}.isdisjoint(args.modes):
+            moto = None
+        else:
+            moto = _moto_storage(env, tmp)
+        for mode, k in (("s3", 0), ("s3_k1", 1)):
+            if mode in args.modes:
+                results[mode] = measure("s3", "s3://bench-runs/runs", stub, args.steps, moto[1], k, args.profile, shape)
+        if moto is not None:
+            moto[0].stop()
     stub.stop()
+
     if args.realistic_step_s:
-        for kind in ("local", "s3"):
+        for kind in set(("local", "s3")) & set(results):
             results[kind]["overhead_share_of_realistic_step"] = results[kind]["overhead_median_s"] / args.realistic_step_s
     import prefect
     import torch
@@ -167,7 +190,8 @@ def main() -> int:
     results["summary"] = {
         **pooled([results, *others], ("local", "s3", "local_k1", "s3_k1")),
         "definition": "medians over steps 2.. of every pooled run of time/step_s - train/update_s (overhead_s_*), of "
-                      "commit-to-commit time minus train/update_s (commit_gap_s_*); *_min: the least; k1: "
+                      "commit-to-commit time minus train/update_s (commit_gap_s_*), of time/train_orchestration_s (the train "
+                      "stage minus the train task's body); *_min: the least; k1: "
                       "pipeline.max_off_policy_steps=1",
     }
     results["also"] = others

@@ -9,6 +9,7 @@ orchestration and storage.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -17,12 +18,13 @@ import time
 
 class StubPolicyServer:
     def __init__(self, answer: str = "<answer>4</answer>", tokens: int = 8, prompt_tokens: int = 19,
-                 record: bool = False):
+                 record: bool = False, latency_s: float = 0.0):
         import uvicorn
 
         self.answer, self.tokens, self.prompt_tokens = answer, tokens, prompt_tokens
         self.requests = 0
         self.record = record
+        self.latency_s = latency_s  # each chat completion waits this long (asleep): generation time without the CPU
         self.chat_requests: list[tuple[dict, dict]] = []  # (headers, body) of each chat completion, when recording
         self.clients: set[tuple] = set()  # the (host, port) of every connection a chat completion came on
         self.adapters: set[str] = set()
@@ -76,6 +78,8 @@ class StubPolicyServer:
             return
         if scope["path"].endswith("/chat/completions"):
             self.clients.add(tuple(scope.get("client") or ()))
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
         raw = b""
         while True:
             message = await receive()
