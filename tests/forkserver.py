@@ -50,6 +50,10 @@ def _child(req: dict) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    if os.environ.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter reads it at start-up
+        import faulthandler
+
+        faulthandler.enable(all_threads=True)
     argv = req["argv"]
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if argv[0] == "-m":  # as `python -m MODULE ARGS` run in cwd

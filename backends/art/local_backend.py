@@ -107,6 +107,16 @@ def _release_all(runs: dict[str, _RunState]) -> None:
     runs.clear()
 
 
+def _shut_down(runs: dict[str, _RunState], servers: dict[str, Any]) -> None:
+    """Let the runs go and stop the servers (their HTTP and engine threads). Also at interpreter exit for a script
+    that never calls close(): an engine thread still inside a torch call while the interpreter tears down crashes
+    the process (SIGSEGV, seen in the README's ART loop run a second time, which has nothing to train)."""
+    _release_all(runs)
+    for server in list(servers.values()):
+        server.stop()
+    servers.clear()
+
+
 class LocalBackend(BackendAPI):
     """Inference and training in this process; checkpoints and trajectories in `storage` (local or s3://)."""
 
@@ -121,8 +131,8 @@ class LocalBackend(BackendAPI):
         self._servers: dict[str, Any] = {}
         self._servers_lock = threading.Lock()
         self._runs: dict[str, _RunState] = {}
-        # a script that never calls close() still lets its runs go when it exits
-        weakref.finalize(self, _release_all, self._runs)
+        # a script that never calls close() still lets its runs go and stops its servers when it exits
+        weakref.finalize(self, _shut_down, self._runs, self._servers)
 
     # ---- plumbing --------------------------------------------------------------------------
     def _server(self, base_model: str):
@@ -326,10 +336,8 @@ class LocalBackend(BackendAPI):
 
     def close(self) -> None:
         self.close_trackers()
-        _release_all(self._runs)
-        for server in self._servers.values():
-            server.stop()
-        self._servers.clear()
+        with self._servers_lock:
+            _shut_down(self._runs, self._servers)
 
     async def __aenter__(self) -> LocalBackend:
         return self
