@@ -14,7 +14,8 @@ clipping and the optimizer TRL's ``create_optimizer`` builds, once per step. The
 - ``num_items_in_batch`` = the step's trained tokens (TRL's CISPO divides the summed loss by it).
 
 Variants: ``trl/defaults`` (TRL's own defaults: gradient checkpointing on, bf16 autocast) and
-``trl/no-checkpointing``; ``ours/defaults`` (``GRPOTrainer`` with no speed setting; it warms up at set-up on CUDA). Each variant
+``trl/no-checkpointing``; ``ours/defaults`` (``GRPOTrainer`` with no speed setting; it warms up at set-up on CUDA) and
+``ours/cudnn`` (``attention_kernel: cudnn``: rows padded to 512-token buckets, cuDNN attention). Each variant
 runs in its own child process: ``--warm-steps`` untimed steps, then ``--steps`` timed ones; tokens/s = row tokens
 (no padding) / wall seconds of the timed steps. Liger: TRL 1.16 deprecates ``use_liger_kernel`` and refuses its
 fused cross-entropy (it replaces the forward TRL patches with its own fused LM head), so it is not a variant.
@@ -39,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-VARIANTS = ("ours/defaults", "trl/defaults", "trl/no-checkpointing")
+VARIANTS = ("ours/defaults", "ours/cudnn", "trl/defaults", "trl/no-checkpointing")
+OURS_SETTINGS = {"ours/defaults": {}, "ours/cudnn": {"attention_kernel": "cudnn"}}  # on top of the common ones
 
 
 def trl_batches(rows, budget: int) -> list[list]:
@@ -158,7 +160,8 @@ def run_ours(model, tok, data, max_len, args, device) -> list[dict]:
     from backends.training.trainer import GRPOTrainer
 
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
-                        max_row_tokens=max_len, micro_batch_tokens=args.micro_batch_tokens, seed=0, backend="peft")
+                        max_row_tokens=max_len, micro_batch_tokens=args.micro_batch_tokens, seed=0, backend="peft",
+                        **OURS_SETTINGS[args.variant])
     trainer = GRPOTrainer("bench", cfg, device=device, model=model, tokenizer=tok)  # warms up on CUDA (defaults)
     steps = []
     for k, groups in enumerate(data):
@@ -187,7 +190,7 @@ def child(args) -> None:
     total = args.warm_steps + args.steps
     data = [synthetic_groups(k, shape["vocab_size"], step_tokens, min_len, max_len) for k in range(total)]
     model, tok = build_model(shape, device, dtype), build_tiny_tokenizer()
-    if args.variant == "ours/defaults":
+    if args.variant in OURS_SETTINGS:
         steps = run_ours(model, tok, data, max_len, args, device)
     else:
         steps = run_trl(model, tok, data, max_len, args, device, gc_on=args.variant == "trl/defaults")
@@ -243,18 +246,23 @@ def main() -> None:
         runs.append(json.loads(out.read_text()))
         summary.append(summarise(runs[-1]))
         print(f"   -> {summary[-1]}", flush=True)
-    ours = next((s["tok_s"] for s in summary if s["variant"] == "ours/defaults" and "tok_s" in s), None)
+    def ours_of(variant):
+        return next((s["tok_s"] for s in summary if s["variant"] == variant and "tok_s" in s), None)
+
+    ours, cudnn = ours_of("ours/defaults"), ours_of("ours/cudnn")
     trl = [s for s in summary if s["variant"].startswith("trl/") and "tok_s" in s]
     best = max(trl, key=lambda s: s["tok_s"]) if trl else None
     result = {"summary": {"ours_tok_s": ours, "trl_tok_s": best and best["tok_s"],
                           "trl_best_variant": best and best["variant"],
-                          "over_trl": round(ours / best["tok_s"], 2) if ours and best else None},
+                          "over_trl": round(ours / best["tok_s"], 2) if ours and best else None,
+                          "ours_cudnn_tok_s": cudnn,
+                          "over_trl_cudnn": round(cudnn / best["tok_s"], 2) if cudnn and best else None},
               "variants": summary, "runs": runs, "env": environment(args)}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
-    if not math.isfinite(float(ours or math.nan)):
+    if not math.isfinite(float(ours or cudnn or math.nan)):
         sys.exit(1)
 
 
