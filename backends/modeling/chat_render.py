@@ -96,15 +96,21 @@ def tool_names(tools: list[dict] | None) -> list[str]:
     return names
 
 
+def _own_template(tokenizer, tools) -> str | None:
+    """The model's own template: its tool-use variant with tools, where it has named variants."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+    return template
+
+
 def chat_template_for(tokenizer, tools: list[dict] | bool | None) -> str:
     """The template that renders these messages (`tools`: the request's tools, or just whether there are any): the
     model's (its tool-use variant with tools), or ``TOOL_CHAT_TEMPLATE`` for a ChatML model whose template ignores
     tools. A server that renders chats itself (vLLM) must be given the same template: `tool_use_template`."""
     from backends.modeling.loading import TOOL_CHAT_TEMPLATE
 
-    template = tokenizer.chat_template
-    if isinstance(template, dict):
-        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+    template = _own_template(tokenizer, tools)
     if not template:
         raise ChatRenderError("this model has no chat template")
     if tools and "tools" not in template:
@@ -122,9 +128,7 @@ def tool_use_template(tokenizer) -> str | None:
         template = chat_template_for(tokenizer, tools=True)
     except ChatRenderError:
         return None
-    own = tokenizer.chat_template
-    own = own.get("tool_use") or own.get("default") if isinstance(own, dict) else own
-    return None if template == own else template
+    return None if template == _own_template(tokenizer, True) else template
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, *,

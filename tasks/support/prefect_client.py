@@ -33,8 +33,8 @@ def tls_context() -> ssl.SSLContext:
     return _tls_context(bool(PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value()), PREFECT_API_SSL_CERT_FILE.value() or None)
 
 
-def api_client():
-    """An (unstarted) async PrefectClient for ``async with``."""
+def api_client(sync: bool = False):
+    """An (unstarted) PrefectClient: async for ``async with``, or with `sync` a SyncPrefectClient for ``with``."""
     from prefect.client.orchestration import get_client
 
-    return get_client(httpx_settings={"verify": tls_context()})
+    return get_client(sync_client=sync, httpx_settings={"verify": tls_context()})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from tasks.support.prefect_client import tls_context
+from tasks.support.prefect_client import api_client
 
 T = TypeVar("T")
 
@@ -25,11 +25,10 @@ def tags_with_limits(tags) -> set[str]:
     """The tags among `tags` that have a concurrency limit (``tag:<tag>``) in the current Prefect API."""
     if not tags:
         return set()
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     kept = set()
-    with get_client(sync_client=True, httpx_settings={"verify": tls_context()}) as client:
+    with api_client(sync=True) as client:
         for tag in tags:
             try:
                 client.read_global_concurrency_limit_by_name(f"tag:{tag}")

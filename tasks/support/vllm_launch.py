@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 from backends.modeling.chat_render import tool_use_template
