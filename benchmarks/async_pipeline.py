@@ -3,7 +3,7 @@
 Each run is the real training flow (``python -m flows.train``: Prefect, embedded inference server on the GPU,
 the GRPO trainer in the same process, local storage), one after another so no two runs share the GPU. With
 ``--embedded-process`` every run sets ``inference.embedded_process=true``: the server runs as a process of its own, so
-its Python and the trainer's stop sharing one interpreter lock (recorded in each run, the summary and the .md; one
+its Python and the trainer's stop sharing one interpreter lock (recorded in each run, the details and the .md; one
 runs folder per mode). Per run:
 
 - steps per hour = (N - 1) / (commit time of step N - commit time of step 1) x 3600 (from the manifests; step 1
@@ -23,7 +23,8 @@ sampling takes about as long as training on an H200 (``--groups``, ``--group-siz
 prints its time/rollouts_s and time/train_s per step to check. Runs are resumable across calls: each finished run
 is kept as ``<out>-runs/k<k>-seed<s>.json`` and skipped later, and ``--budget-s`` stops starting new runs after
 that long, so the whole grid fits in calls of ten minutes; the report (``<out>.json`` with a top-level
-``summary``, ``<out>.md``, ``<out>.png``: validation reward vs wall time and vs step) is written once every run
+``summary`` of the issue's figures, ``SUMMARY_KEYS``, and the others in ``details``; ``<out>.md``; ``<out>.png``:
+validation reward vs wall time and vs step) is written once every run
 is there (or with ``--report`` from what is there). ``--runs-dir`` keeps the finished runs elsewhere (a folder that
 outlives the calls, when ``--out`` does not).
 
@@ -237,7 +238,8 @@ def report(args, runs: list[dict], out: Path) -> dict:
         summary["target_met_k1"] = summary["async_speedup_k1"] >= 1.5 and summary["val_reward_within_2sd_k1"]
     import torch
 
-    result = {"summary": summary, "per_k": {str(k): v for k, v in per_k.items()}, "runs": runs,
+    result = {"summary": {k: summary[k] for k in SUMMARY_KEYS if k in summary},
+              "details": {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}, "per_k": {str(k): v for k, v in per_k.items()}, "runs": runs,
               "config": {"base": args.config, "groups_per_step": args.groups, "group_size": args.group_size,
                          "steps": args.steps, "eval_every": args.eval_every, "sets": args.set,
                          "embedded_process": summary["embedded_process"]},
@@ -250,6 +252,11 @@ def report(args, runs: list[dict], out: Path) -> dict:
     out.with_suffix(".png").write_bytes(_plot(by_k, names))
     out.with_suffix(".md").write_text(_markdown(result, names))
     return result
+
+
+# The figures; the rest of the report's figures (sd, equal-wall reward, idle share, k=2, ...) go in "details".
+SUMMARY_KEYS = ("steps_per_hour_sync", "steps_per_hour_k1", "async_speedup_k1", "val_reward_sync", "val_reward_k1",
+                "seeds")
 
 
 def _one_server_mode(runs: list[dict]) -> bool:
@@ -290,7 +297,7 @@ def _fmt(value, digits=3) -> str:
 
 
 def _markdown(result: dict, names: dict) -> str:
-    s, env = result["summary"], result["environment"]
+    s, env = {**result["summary"], **result["details"]}, result["environment"]
     lines = [f"# Synchronous loop vs async pipeline ({env['date']})", "",
              f"    {result['command']}", "",
              f"Machine: {env['cuda'] or 'no GPU'}, {env['cpus']} CPUs, Python {env['python']}, torch {env['torch']}. "
