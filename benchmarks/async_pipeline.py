@@ -1,7 +1,9 @@
 """Synchronous loop vs the async pipeline (pipeline.max_off_policy_steps = 1, 2): throughput and learning, per seed.
 
 Each run is the real training flow (``python -m flows.train``: Prefect, embedded inference server on the GPU,
-the GRPO trainer in the same process, local storage), one after another so no two runs share the GPU. With
+local storage), one after another so no two runs share the GPU. The update runs where ``training.mode: auto`` puts
+it (unless ``--set training.mode=...``): in the flow's process at k=0, in a trainer process of its own at k >= 1 on a
+GPU (recorded per run as ``trainer_process``, from the flow's log, and in the .md). With
 ``--embedded-process`` every run sets ``inference.embedded_process=true``: the server runs as a process of its own, so
 its Python and the trainer's stop sharing one interpreter lock (recorded in each run, the details and the .md; one
 runs folder per mode). Per run:
@@ -161,6 +163,9 @@ def flow_args(args, k: int, seed: int, storage: str) -> list[str]:
     return out + [item for extra in args.set for item in ("--set", extra)]
 
 
+TRAINER_PROCESS_LINE = "trainer process started"  # logged by tasks/support/trainer_process.py
+
+
 def one_run(args, k: int, seed: int, storage: str, api: PrefectServer) -> dict:
     """Train one (k, seed) run to the end; its per-step metrics, timings and GPU samples."""
     from storage.store import RunStore
@@ -180,7 +185,8 @@ def one_run(args, k: int, seed: int, storage: str, api: PrefectServer) -> dict:
                                     "train/mismatch_kl", "train/clip_fraction", "train/probe_forwards"))
                  or (key.startswith("train/") and key.endswith("_s"))}}
              for s, m in manifests.items()]
-    return {"k": k, "seed": seed, "embedded_process": args.embedded_process, "wall_s": time.time() - started,
+    return {"k": k, "seed": seed, "embedded_process": args.embedded_process,
+            "trainer_process": TRAINER_PROCESS_LINE in proc.stdout + proc.stderr, "wall_s": time.time() - started,
             "steps": steps,
             "steps_per_hour": (args.steps - 1) / (tn - t1) * 3600,
             **gpu.between(t1, tn), "gpu_sampler": gpu.available, "command": " ".join(cmd[1:])}
@@ -212,7 +218,9 @@ def report(args, runs: list[dict], out: Path) -> dict:
         val_wall, val_wall_sd = _mean_sd([_val_at(r, equal_wall) for r in group])
         rollouts, train = (_mean_sd([s.get(f"time/{n}_s") for r in group for s in r["steps"][2:]])[0]
                            for n in ("rollouts", "train"))
-        per_k[k] = {"seeds": sorted(r["seed"] for r in group), "steps_per_hour": sph, "steps_per_hour_sd": sph_sd,
+        where = {"trainer process" if r.get("trainer_process") else "flow process" for r in group}
+        per_k[k] = {"seeds": sorted(r["seed"] for r in group), "update_in": " / ".join(sorted(where)),
+                    "steps_per_hour": sph, "steps_per_hour_sd": sph_sd,
                     "gpu_idle_share": idle, "gpu_utilization_mean": util, "val_reward": val, "val_reward_sd": val_sd,
                     "val_reward_at_equal_wall": val_wall, "val_reward_at_equal_wall_sd": val_wall_sd,
                     "rollouts_wait_s_mean": rollouts, "train_s_mean": train,
@@ -307,15 +315,16 @@ def _markdown(result: dict, names: dict) -> str:
              f"{'in its own process' if s['embedded_process'] else 'on a thread of the flow'}." + (" SMOKE RUN (CPU, tiny-random): the "
                                                                               "figures say nothing." if s["smoke"] else ""),
              "", "| k | steps/hour | speedup | GPU idle share | GPU util mean | val reward at step N (mean ± sd) | "
-                 "val reward at equal wall time | rollouts wait s/step | train s/step | max staleness |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "val reward at equal wall time | rollouts wait s/step | train s/step | max staleness | update in |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for k, v in result["per_k"].items():
         name = names.get(int(k), f"k{k}")
         speed = s.get(f"async_speedup_{name}", 1.0 if k == "0" else None)
         lines.append(f"| {k} ({name}) | {_fmt(v['steps_per_hour'], 1)} ± {_fmt(v['steps_per_hour_sd'], 1)} | "
                      f"{_fmt(speed, 2)} | {_fmt(v['gpu_idle_share'])} | {_fmt(v['gpu_utilization_mean'], 1)} | "
                      f"{_fmt(v['val_reward'])} ± {_fmt(v['val_reward_sd'])} | {_fmt(v['val_reward_at_equal_wall'])} | "
-                     f"{_fmt(v['rollouts_wait_s_mean'], 2)} | {_fmt(v['train_s_mean'], 2)} | {_fmt(v['staleness_max'], 0)} |")
+                     f"{_fmt(v['rollouts_wait_s_mean'], 2)} | {_fmt(v['train_s_mean'], 2)} | {_fmt(v['staleness_max'], 0)} | "
+                     f"{v.get('update_in', 'n/a')} |")
     lines += ["", f"Equal wall time: {s['equal_wall_s']:.0f} s after step 0 (when the fastest run finished). "
               f"Target (k=1: >= 1.5x steps per hour, val reward at equal steps within 2 sd of sync): "
               f"{s.get('target_met_k1', 'not measured')}.", "",

@@ -19,6 +19,7 @@ from backends.policy.publish import KEEP_SERVED, ensure_loaded, publish_step
 from tasks.run_config import RunConfig
 from tasks.support.retry_policy import TransientError, is_transient, retry_condition
 from tasks.support.runtime import Runtime, get_runtime
+from tasks.training import training_mode
 
 log = logging.getLogger("trajflow")
 
@@ -36,8 +37,8 @@ async def ensure_served(rt: Runtime, step: int) -> None:
 async def _publish(rt: Runtime, step: int, training: dict[str, Any] | None) -> dict[str, float]:
     """Publish on every replica, each loaded and probed on its own; the metrics are the worst replica's."""
     cfg = rt.config
-    # Without a probe record, a trainer in this process (training.mode=local) gives the stronger check.
-    in_process = cfg.training.mode == "local" and cfg.training.gpus == 1
+    # Without a probe record, a trainer in this process (training.mode local) gives the stronger check.
+    in_process = training_mode(cfg) == "local" and cfg.training.gpus == 1
     trainer = (lambda: rt.trainer_at(step)) if in_process else None
     replicas = rt.inference_clients()
     keep = KEEP_SERVED + cfg.pipeline.max_off_policy_steps  # rollouts running ahead still sample k older policies

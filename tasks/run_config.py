@@ -152,10 +152,14 @@ class TrainingPlacement(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["local", "deployment"] = Field(
-        default="local",
-        description="`local`: in the flow's process on its device; `deployment`: run `flows/train_step.py` as a "
-        "Prefect deployment on a GPU work pool (inputs and outputs through storage)",
+    mode: Literal["auto", "local", "process", "deployment"] = Field(
+        default="auto",
+        description="`auto`: `process` when rollouts run beside the update (pipeline.max_off_policy_steps >= 1) on one "
+        "GPU, else `local`; `local`: in the flow's process on its device; `process`: in a child process of the flow that "
+        "keeps the trainer between steps (its own GIL: with pipeline.max_off_policy_steps >= 1 the rollouts running "
+        "meanwhile do not slow the update; a trainer that runs out of memory fails the step, not the flow); "
+        "`deployment`: run `flows/train_step.py` as a Prefect deployment on a GPU work pool (inputs and outputs "
+        "through storage)",
     )
     deployment: str = Field(default="train-step/gpu",
                             description="`<flow>/<deployment>` name used when `mode=deployment`")

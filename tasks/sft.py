@@ -27,6 +27,7 @@ from tasks.support.cache_keys import cache_key_fn
 from tasks.support.crash_points import crash_point
 from tasks.support.retry_policy import retry_condition
 from tasks.support.runtime import get_runtime
+from tasks.training import in_child
 
 log = logging.getLogger("trajflow")
 
@@ -71,6 +72,8 @@ def sft_policy_fn(config: RunConfig) -> dict[str, Any]:
     """Step 0 as the SFT'd adapter: trained (or resumed from its last save point) and checkpointed; the stored
     result once finished."""
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
+    if in_child(config):  # the trainer process runs this function (its own checks, save points, resume)
+        return rt.trainer_process().request("sft", 0)[0]
     demos, bad, sha = load_demonstrations(config)
     if config.training.mode == "deployment" and training_result(rt.store, 0) is None:
         raise ValueError("sft with training.mode=deployment: the flow's process would train it, maybe without a GPU; "

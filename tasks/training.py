@@ -1,9 +1,10 @@
 """Training: one GRPO update of the LoRA adapter, from the checkpoint of step-1 to that of step.
 
 The update reads the scored groups from storage, so it can run here (``training.mode=local``, the
-default: in the flow's process on its device) or on a GPU worker (``training.mode=deployment``: the
-``train-step/gpu`` deployment of ``flows/train_step.py`` runs the same function and writes the same
-files). The storage side (checkpoint upload, ``training.json`` written last) is
+default: in the flow's process on its device), in a child process that keeps its trainer between steps
+(``training.mode=process``: ``tasks/support/trainer_process.py``, its own GIL while rollouts of later steps run here)
+or on a GPU worker (``training.mode=deployment``: the ``train-step/gpu`` deployment of ``flows/train_step.py``);
+all three run the same function and write the same files. The storage side (checkpoint upload, ``training.json`` written last) is
 ``backends.policy.checkpoints``, shared with LocalBackend. With ``training.gpus: N`` > 1 the update runs on N
 processes under torchrun (``tasks/support/distributed_training.py``), started from here in either mode.
 """
@@ -28,6 +29,8 @@ from tasks.support.runtime import get_runtime
 def initialize_policy_fn(config: RunConfig) -> dict[str, Any]:
     """Step 0: the seeded initial adapter (LoRA B = 0, so it equals the base model) and optimizer state."""
     rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
+    if in_child(config):
+        return training_result(rt.store, 0) or rt.trainer_process().request("initialize", 0)[0]
     if config.training.gpus > 1 and training_result(rt.store, 0) is None:
         train_distributed(config, 0)  # the training GPUs' processes write it: no trainer in this process
     return initialize(rt.store, rt.fresh_trainer)
@@ -39,6 +42,41 @@ _BODY_SECONDS: dict[tuple[str, str, int], dict[str, float]] = {}
 
 def _body_seconds(config: RunConfig, step: int) -> dict[str, float]:
     return _BODY_SECONDS.setdefault((config.project, config.run, step), {})
+
+
+def pop_body_seconds(config: RunConfig, step: int) -> dict[str, float]:
+    return _BODY_SECONDS.pop((config.project, config.run, step), {})
+
+
+def training_mode(config: RunConfig) -> str:
+    """``training.mode`` with ``auto`` resolved: ``process`` when rollouts of later steps run in this process while
+    a step trains (``pipeline.max_off_policy_steps`` >= 1) and the update is one process on a GPU, else ``local``.
+    Why not always: on the CPU a second process holds a second copy of the base weights, and a synchronous loop has
+    nothing running beside the update."""
+    mode = config.training.mode
+    if mode != "auto":
+        return mode
+    from backends.modeling.devices import resolve_device
+
+    beside = config.pipeline.max_off_policy_steps >= 1 and config.training.gpus == 1
+    return "process" if beside and resolve_device(config.training.device).startswith("cuda") else "local"
+
+
+def in_child(config: RunConfig) -> bool:
+    """Whether this process hands its updates to a trainer process (``training.mode`` process; with ``training.gpus``
+    > 1 the flow's process already starts the ranks as processes of their own, as in local mode)."""
+    return config.training.gpus == 1 and training_mode(config) == "process"
+
+
+def train_in_child(config: RunConfig, step: int) -> dict[str, Any]:
+    """The update of `step` in the run's trainer process; its body's seconds counted as this task's."""
+    rt = get_runtime(config)  # this process's resources for the run (tasks/support/runtime.py)
+    finished = training_result(rt.store, step)
+    if finished is not None:  # finished before a kill: no trainer process started for nothing
+        return finished
+    result, seconds = rt.trainer_process().request("train", step)
+    _body_seconds(config, step).update(seconds)
+    return result
 
 
 def train_policy_fn(config: RunConfig, step: int) -> dict[str, Any]:
@@ -76,7 +114,7 @@ def train_time_metrics(config: RunConfig, step: int, train_s: float, training: d
       finished-step look-ups, the write of training.json (with ``training.gpus`` > 1 or a deployment: starting and
       waiting for the processes that train).
     """
-    seconds = _BODY_SECONDS.pop((config.project, config.run, step), {})
+    seconds = pop_body_seconds(config, step)
     task = seconds.get("task", 0.0)
     out = {"time/train_task_s": task, "time/train_orchestration_s": train_s - task,
            "time/train_load_s": seconds.get("load", 0.0)}
@@ -104,6 +142,8 @@ def train_policy(config: RunConfig, step: int) -> dict[str, Any]:
     try:
         if config.training.mode == "deployment":
             return train_remote(config, step)
+        if in_child(config):
+            return train_in_child(config, step)
         return train_policy_fn(config, step)
     finally:
         _body_seconds(config, step)["task"] = time.perf_counter() - started

@@ -53,7 +53,7 @@ def placement(config: RunConfig, gpus_visible: int) -> dict[str, list[str]]:
     inf, training = config.inference, config.training
     return {
         "inference": devices(inf.device, inf.replicas, gpus_visible) if inf.backend != "url" else [],
-        "training": devices(training.device, training.gpus, gpus_visible) if training.mode == "local" else [],
+        "training": devices(training.device, training.gpus, gpus_visible) if training.mode != "deployment" else [],
     }
 
 

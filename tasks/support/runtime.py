@@ -39,6 +39,7 @@ class Runtime:
         self._servers: list = []
         self._trainer = None
         self._trainer_step: int | None = None
+        self._trainer_process = None  # training.mode=process: the child that trains (tasks/support/trainer_process.py)
         self._lock = threading.RLock()
         self.stop_rollouts = threading.Event()  # set: rollouts running ahead of the trainer abandon their groups
         self.api_key = os.environ.get(config.inference.api_key_env) or None
@@ -213,6 +214,15 @@ class Runtime:
         with self._lock:
             self._trainer_step = step
 
+    def trainer_process(self):
+        """The run's trainer process (``training.mode=process``), started on its first request."""
+        from tasks.support.trainer_process import TrainerProcess
+
+        with self._lock:
+            if self._trainer_process is None:
+                self._trainer_process = TrainerProcess(self.config)
+            return self._trainer_process
+
     def close(self) -> None:
         with self._lock:
             if self._tracker is not None:
@@ -225,6 +235,9 @@ class Runtime:
                 else:
                     run_on_shared_loop(client.close())
             self._stop_servers()
+            if self._trainer_process is not None:
+                self._trainer_process.close()
+                self._trainer_process = None
 
 
 _RUNTIMES: dict[str, Runtime] = {}

@@ -23,6 +23,7 @@ cache records); it must request no rollout and train steps 1 and 2 in one go to 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -190,13 +191,53 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
         assert store.read_manifest(step).metrics["pipeline/staleness_max"] <= 1
 
     if kind == "local":  # the uninterrupted k=1 run on the same rollouts: no request, same adapter bytes
-        replay_root = tmp_path / "replay"
-        copy_rollouts_only(store, replay_root)
-        proxy.reset()
-        code, out = run_flow(launcher, str(replay_root), proxy.url, tmp_path, None, api_url=api, steps=ASYNC_STEPS,
-                             sets=ASYNC)
-        assert code == 0, out[-3000:]
-        assert all(not proxy.rollout_requests(f"tiny@{p}") for p in range(ASYNC_STEPS))
-        replay = RunStore(str(replay_root), "ci", "tiny")
-        for step in range(1, ASYNC_STEPS + 1):
-            assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
+        assert_async_replay_equal(store, proxy, launcher, tmp_path, api)
+
+
+def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, api: str) -> str:
+    """An uninterrupted k=1 run (update in the flow's process) over a copy of `store`'s rollouts requests nothing and
+    trains every step to the same adapter bytes; its log."""
+    replay_root = tmp_path / "replay"
+    copy_rollouts_only(store, replay_root)
+    proxy.reset()
+    code, out = run_flow(launcher, str(replay_root), proxy.url, tmp_path, None, api_url=api, steps=ASYNC_STEPS,
+                         sets=ASYNC)
+    assert code == 0, out[-3000:]
+    assert all(not proxy.rollout_requests(f"tiny@{p}") for p in range(ASYNC_STEPS))
+    replay = RunStore(str(replay_root), "ci", "tiny")
+    for step in range(1, ASYNC_STEPS + 1):
+        assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
+    return out
+
+
+PROCESS = (*ASYNC, "training.mode=process")
+
+
+@pytest.mark.timeout(900)
+def test_async_kill_in_the_trainer_process_and_resume(counting_server, prefect_api, fork_launcher, tmp_path):
+    """training.mode=process at k=1: the crash point in the trainer process (step 2 updated, its checkpoint not yet
+    stored) kills the flow, and the trainer process exits with it; the resumed run samples only what was missing and
+    finishes; its adapters equal an uninterrupted run's on the same rollouts with the update in the flow's process."""
+    from tests.integration.test_trainer_process import wait_gone
+
+    api = session_api()
+    root = str(tmp_path / "runs")
+    store = RunStore(root, "ci", "tiny")
+    proxy, launcher = counting_server, fork_launcher
+
+    proxy.reset()
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, "training:2", None, api, ASYNC_STEPS, PROCESS)
+    assert code == -signal.SIGKILL, out[-3000:]
+    trainers = [int(pid) for pid in re.findall(r"trainer process started \(pid (\d+)\)", out)]
+    assert len(trainers) == 1, out[-3000:]
+    assert store.committed_steps() == [0, 1] and not store.exists(2, "training.json")
+    wait_gone(trainers[0])
+
+    proxy.reset()
+    missing = missing_groups(store)
+    code, out = run_flow(launcher, root, proxy.url, tmp_path, None, None, api, ASYNC_STEPS, PROCESS)
+    assert code == 0, out[-3000:]
+    assert_sampled_once(proxy, missing, (1, 2, 3))
+    assert store.committed_steps() == [0, 1, 2, 3] and missing_groups(store) == {1: 0, 2: 0, 3: 0}
+
+    assert "trainer process started" not in assert_async_replay_equal(store, proxy, launcher, tmp_path, api)

@@ -93,6 +93,8 @@ CASES = [
      "inference: embedded_process=true applies to backend=embedded; backend=url attaches to a server started"),
     ("embedded process not a boolean", ["train", "--set", "inference.embedded_process=maybe"], 2,
      "inference.embedded_process: input should be a valid boolean, unable to interpret input, got 'maybe'"),
+    ("training mode unknown", ["train", "--set", "training.mode=thread"], 2,
+     "training.mode: input should be 'auto', 'local', 'process' or 'deployment', got 'thread'"),
     ("training gpus zero", ["train", "--set", "training.gpus=0"], 2,
      "training.gpus: input should be greater than or equal to 1, got 0"),
     ("config show unknown key", ["config", "show", "--set", "inference.devise=cpu"], 2,
