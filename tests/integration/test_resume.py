@@ -154,19 +154,27 @@ def assert_sampled_once(proxy, missing: dict[int, int], steps_done: tuple[int, .
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
-    """pipeline.max_off_policy_steps=1, 3 steps: killed (a) mid-rollouts of step 2 while step 1 runs, (b) locally
-    also after step 2 is trained and published, before its commit (step 3's rollouts running ahead); then resumed
-    to the end, each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled
-    within the bound, and (locally) the adapters equal an uninterrupted k=1 run's on the same rollouts."""
+    """pipeline.max_off_policy_steps=1, 3 steps: killed (a) mid-rollouts of step 2 while step 1 runs; locally, with
+    the update in a trainer process (training.mode=process), also (b) inside that process after step 2's update,
+    before its checkpoint is stored (the crash point kills the flow; the trainer process exits with it), and (c) after
+    step 2 is trained and published, before its commit (step 3's rollouts running ahead); then resumed to the end,
+    each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled within the
+    bound, and (locally) the adapters equal an uninterrupted k=1 run's on the same rollouts with the update in the
+    flow's process."""
+    from tests.integration.test_trainer_process import wait_gone
+
     api = session_api()
     root, env = storage_of(kind, tmp_path, request)
     store = RunStore(root, "ci", "tiny")
     proxy, launcher = counting_server, fork_launcher
+    sets = (*ASYNC, "training.mode=process") if kind == "local" else ASYNC
 
     def run(crash_at):
         proxy.reset()
         missing = missing_groups(store)
-        code, out = run_flow(launcher, root, proxy.url, tmp_path, crash_at, env, api, ASYNC_STEPS, ASYNC)
+        code, out = run_flow(launcher, root, proxy.url, tmp_path, crash_at, env, api, ASYNC_STEPS, sets)
+        for pid in re.findall(r"trainer process started \(pid (\d+)\)", out):
+            wait_gone(int(pid))  # a killed flow leaves no trainer behind
         return code, out, missing
 
     # (a) killed right after the first group of step 2 is stored: step 2's rollouts ran beside step 1's
@@ -175,7 +183,13 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
     assert GROUPS - missing_groups(store)[2] >= 1 and store.committed_steps() in ([0], [0, 1])
 
     if kind == "local":
-        # (b) resumed: steps 1 and 2 sample only their missing groups; killed between step 2's publish and commit
+        # (b) resumed: steps 1 and 2 sample only their missing groups; killed inside the trainer process
+        code, out, missing = run("training:2")
+        assert code == -signal.SIGKILL and "trainer process started" in out, out[-3000:]
+        assert_sampled_once(proxy, missing, (1, 2))
+        assert store.committed_steps() == [0, 1] and not store.exists(2, "training.json")
+
+        # (c) resumed: step 2 trains from its stored groups; killed between its publish and commit
         code, out, missing = run("before-commit:2")
         assert code == -signal.SIGKILL, out[-3000:]
         assert_sampled_once(proxy, missing, (1, 2))
@@ -191,7 +205,7 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
         assert store.read_manifest(step).metrics["pipeline/staleness_max"] <= 1
 
     if kind == "local":  # the uninterrupted k=1 run on the same rollouts: no request, same adapter bytes
-        assert_async_replay_equal(store, proxy, launcher, tmp_path, api)
+        assert "trainer process started" not in assert_async_replay_equal(store, proxy, launcher, tmp_path, api)
 
 
 def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, api: str) -> str:
@@ -209,35 +223,3 @@ def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, 
         assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
     return out
 
-
-PROCESS = (*ASYNC, "training.mode=process")
-
-
-@pytest.mark.timeout(900)
-def test_async_kill_in_the_trainer_process_and_resume(counting_server, prefect_api, fork_launcher, tmp_path):
-    """training.mode=process at k=1: the crash point in the trainer process (step 2 updated, its checkpoint not yet
-    stored) kills the flow, and the trainer process exits with it; the resumed run samples only what was missing and
-    finishes; its adapters equal an uninterrupted run's on the same rollouts with the update in the flow's process."""
-    from tests.integration.test_trainer_process import wait_gone
-
-    api = session_api()
-    root = str(tmp_path / "runs")
-    store = RunStore(root, "ci", "tiny")
-    proxy, launcher = counting_server, fork_launcher
-
-    proxy.reset()
-    code, out = run_flow(launcher, root, proxy.url, tmp_path, "training:2", None, api, ASYNC_STEPS, PROCESS)
-    assert code == -signal.SIGKILL, out[-3000:]
-    trainers = [int(pid) for pid in re.findall(r"trainer process started \(pid (\d+)\)", out)]
-    assert len(trainers) == 1, out[-3000:]
-    assert store.committed_steps() == [0, 1] and not store.exists(2, "training.json")
-    wait_gone(trainers[0])
-
-    proxy.reset()
-    missing = missing_groups(store)
-    code, out = run_flow(launcher, root, proxy.url, tmp_path, None, None, api, ASYNC_STEPS, PROCESS)
-    assert code == 0, out[-3000:]
-    assert_sampled_once(proxy, missing, (1, 2, 3))
-    assert store.committed_steps() == [0, 1, 2, 3] and missing_groups(store) == {1: 0, 2: 0, 3: 0}
-
-    assert "trainer process started" not in assert_async_replay_equal(store, proxy, launcher, tmp_path, api)
