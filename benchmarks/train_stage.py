@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--profile-step", type=int, default=0, help="torch.profiler over the update of this step (0: none)")
     ap.add_argument("--drafts", default="greedy", choices=["greedy", "random"],
                     help="the probe prompt's sampled answers: prefixes of the greedy continuation, or random tokens")
-    ap.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "flash", "sdpa-default"])
+    ap.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "flash", "sdpa-default", "cudnn"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 

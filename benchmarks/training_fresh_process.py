@@ -6,8 +6,11 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
 - ``cold_start_s``: from the parent starting the child process (``subprocess.Popen``) to the end of its first
   optimizer step (``torch.cuda.synchronize`` after the step): interpreter start, imports, model build,
   trainer set-up (incl. ``GRPOTrainer.warm_up`` when on) and step 0;
-- ``warm_up_s`` and ``warm_up_runs``: what the warm-up took and ran (micro-batches, tokens, and with 'cudnn' the
-  bucket and how many padded row lengths it built plans for);
+- ``warm_up_s`` and ``warm_up_runs``: what the warm-up took and ran (micro-batches, tokens, and with 'cudnn' or
+  'auto''s long rows the bucket, how many padded row lengths it built plans for, one attention call each, and the
+  first of them);
+- ``attention`` and, per step, ``attention_paths``: the trainer's attention rule and how many micro-batches took
+  each path (with 'auto' the micro-batch's rows decide);
 - ``first_in_process_tok_s``: row tokens / wall seconds of steps 1..3 of that process (the first steps after the
   one that paid the cold start);
 - ``steady_tok_s``: the same over the last ``--steady-steps`` steps (steps under ``--profile-steps`` left out of both);
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import os
 import platform
 import resource
@@ -57,6 +61,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # cuDNN first, rows padded to a multiple of the bucket; the warm-up builds each padded length's plans
     "cudnn+warm-up": {"attention_kernel": "cudnn"},
     "cudnn-b256+warm-up": {"attention_kernel": "cudnn", "attention_bucket": 256},
+    # 'auto' is chosen per micro-batch (cuDNN rows where every row is long, else varlen): these are its two sides
+    "varlen+warm-up": {"attention_kernel": "varlen"},  # the 'auto' before the per-micro-batch choice
+    "cudnn-mb24k+warm-up": {"attention_kernel": "cudnn", "micro_batch_tokens": 24576},  # over --micro-batch-tokens
 }
 
 
@@ -74,6 +81,7 @@ def child(args) -> None:
     from benchmarks.training import QWEN25_15B, TINY, build_model, synthetic_groups
     from backends.modeling.loading import build_tiny_tokenizer
     from backends.training.config import TrainerConfig
+    from backends.training.packing import plan_bins
     from backends.training.token_rows import build_rows
     from backends.training.trainer import GRPOTrainer
 
@@ -86,9 +94,9 @@ def child(args) -> None:
     settings = CONFIGS[args.config]
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
+    common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
-                        max_row_tokens=max_len, micro_batch_tokens=1024 if args.smoke else args.micro_batch_tokens,
-                        seed=0, backend="peft", **settings)
+                        max_row_tokens=max_len, seed=0, backend="peft", **{**common, **settings})
     model = build_model(shape, device, dtype)
     if cuda:
         torch.cuda.synchronize()
@@ -136,10 +144,13 @@ def child(args) -> None:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         rows = [len(r) for r in build_rows(data[k], max_row_tokens=max_len)[0]]
+        bins = [[rows[i] for i in b] for b in plan_bins(rows, trainer.micro_batch_tokens)]
         rec = {"step": k, "wall_s": wall, "done_at": time.time(), "tokens": m["tokens"], "tok_s": m["tokens"] / wall,
                "peak_gib": m["peak_memory_gib"], "loss": m["loss"], "cpu_s": cpu_seconds() - cpu0,
                "new_graphs": counters["stats"]["unique_graphs"] - graphs0, "compile_s": compile_seconds() - comp0,
-               "flops_lora_aware": lora_aware_flops(n_params, lora_params, shape, rows)}
+               "flops_lora_aware": lora_aware_flops(n_params, lora_params, shape, rows),
+               # micro-batches per attention path as the trainer chose them ('auto': by their rows' lengths)
+               "attention_paths": Counter(trainer.attention.mode(b).path for b in bins)}
         if cuda:
             rec["gpu_busy_s"] = ev0.elapsed_time(ev1) / 1000
             rec["device_allocs"] = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs0
@@ -153,7 +164,8 @@ def child(args) -> None:
         print(f"  [{args.config}] step {k}: {rec['tokens']:.0f} tok {wall:.2f}s = {rec['tok_s']:.0f} tok/s, "
               f"cpu {rec['cpu_s']:.2f}s, new graphs {rec['new_graphs']}, compile {rec['compile_s']:.1f}s, "
               f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
-    out = {"config": args.config, "settings": settings, "warm_up_s": trainer.warm_up_s,
+    out = {"config": args.config, "settings": settings, "attention": trainer.attention_path,
+           "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
            "t_trainer": t_trainer, "steps": steps}
@@ -181,6 +193,8 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "trainer_setup_s": round(run["t_trainer"] - run["t_model"], 2),
         "warm_up_s": round(run["warm_up_s"], 2),
         "warm_up_runs": run.get("warm_up_runs", {}),
+        "attention": run.get("attention"), "micro_batch_tokens": run.get("micro_batch_tokens"),
+        "attention_paths_steady": [x.get("attention_paths") for x in window],
         "step0_s": round(s[0]["wall_s"], 2),
         "first_in_process_tok_s": round(_rate(first)),
         "steady_tok_s": round(steady),

@@ -79,6 +79,7 @@ def errors(logp, grads, ref_logp, ref_grads) -> dict:
 def check(device: str, layers: int, groups: int) -> dict:
     import torch
 
+    from backends.training.attention_choice import AttentionChoice
     from backends.training.token_rows import build_rows
     from benchmarks.training import build_model
 
@@ -107,10 +108,10 @@ def check(device: str, layers: int, groups: int) -> dict:
     trainer32.model.train()
     batches16, batches32 = trainer16._micro_batches(rows), trainer32._micro_batches(rows)
     ref_logp, ref_grads = logprobs_and_grads(trainer32, batches32)
-    paths = ["rows"] + (["varlen"] if trainer16.attention_path == "varlen" else [])
+    paths = ["rows"] + (["varlen"] if trainer16.attention.usual.path == "varlen" else [])
     results, timings = {}, {}
     for path in paths:
-        trainer16.attention_path = path
+        trainer16.attention = AttentionChoice.fixed(path, trainer16.attention.usual.sdpa_backends)
         logprobs_and_grads(trainer16, batches16)  # first call of a path: kernels' first launches, compiles
         if cuda:
             torch.cuda.synchronize()

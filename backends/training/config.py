@@ -213,7 +213,10 @@ class TrainerConfig(BaseModel):
         "rows are new lengths every step): benchmarks/results/training-h200.md. 'cudnn': one SDPA call per row, "
         "cuDNN first (then flash, efficient, math), each row zero-padded at its end to a multiple of "
         "attention_bucket so its plan is reused, and every bucket's plan built by the warm-up (exact: causal "
-        "attention, the padding's outputs dropped). 'auto': 'varlen' where it can run, else 'flash'. The CPU "
+        "attention, the padding's outputs dropped). 'auto': where 'varlen' can run, chosen per micro-batch: 'cudnn' "
+        "(bucketed rows) when every row has at least long_row_tokens tokens, 'varlen' otherwise "
+        "(backends/training/attention_choice.py; per-row calls cost on short rows, cuDNN wins on long ones: "
+        "its measurement as 'auto' on the H200 is still to do); 'flash' where varlen cannot run. The CPU "
         "ignores the kernel choice: one SDPA call per row (one call per layer with a block-diagonal mask was 3.7x "
         "slower per layer, the update 1.16x: benchmarks/results/packed-attention-cpu.md); 'cudnn' pads there too.",
     )
@@ -222,7 +225,19 @@ class TrainerConfig(BaseModel):
         description="With attention_kernel 'cudnn', each packed row's attention runs on its length rounded up to "
         "a multiple of this: larger buckets mean fewer cuDNN plans to build in the warm-up (one per multiple up "
         "to the micro-batch budget; a 16k budget at 512: 32 lengths, ~254k warm-up tokens, at 256: 64, ~516k) but "
-        "more attention over padding (up to bucket - 1 tokens a row). 1: no padding. Other kernels ignore it.",
+        "more attention over padding (up to bucket - 1 tokens a row). 1: no padding. Also the bucket of 'auto''s "
+        "long micro-batches (long_row_tokens). Other kernels ignore it.",
+    )
+    long_row_tokens: int = Field(
+        default=2048, ge=1,
+        description="With attention_kernel 'auto' on CUDA (where varlen can run): a micro-batch whose SHORTEST row has "
+        "at least this many tokens runs the 'cudnn' path (one SDPA call per row, cuDNN first, rows padded to "
+        "attention_bucket), any other the 'varlen' one; the warm-up builds cuDNN plans for the padded lengths from "
+        "here up to the micro-batch budget only. On the H200, cuDNN's attention forward + backward was 1.74x "
+        "faster than varlen on rows of 2k-16k tokens, while per-row calls made the update 7x slower on ~40-token "
+        "rows (benchmarks/results/training-h200.md, varlen-h200.md). 2048: the bottom of the measured winning range, "
+        "where a row's padding (under 512 tokens) adds at most 1.56x to its attention FLOPs, below cuDNN's gain; "
+        "1024 could lose (up to 2.25x). Lower it to try shorter rows on cuDNN, raise it to keep varlen.",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

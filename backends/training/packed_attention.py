@@ -21,15 +21,17 @@ Buckets (``rows`` path, ``PackedAttention.bucket`` = b > 1): each row's q/k/v of
 to ``m = ceil(n / b) * b`` and the SDPA output is cut back to n. cuDNN attention keys its execution plan by shapes
 and strides and builds one (~1.8 ms of host time) for each it has not seen; GRPO rows are new lengths every step,
 padded rows within a micro-batch budget B take ``ceil(B / b)`` shapes, which the trainer's warm-up builds before
-step 0. Exact: with causal masking the real tokens (positions < n) never attend to the padding after them, and the
-padded queries' outputs are dropped, so their gradient is zero and so is every gradient that flows into the padding
-(dq of padded queries, dk and dv of padded keys, which only padded queries see). The cost, per row and layer: the
-attention over the padding (at most ``b - 1`` tokens), one pad copy each of q, k and v in the forward, and in the
-backward the cut output's gradient zero-filled to ``m`` (a fill and a copy). So that a shape maps to ONE plan, a
+step 0 (``build_row_plans``: one attention call per length, not a whole-model forward). Exact: with causal masking
+the real tokens (positions < n) never attend to the padding after them, and the padded queries' outputs are dropped,
+so their gradient is zero and so is every gradient that flows into the padding (dq of padded queries, dk and dv of
+padded keys, which only padded queries see). The cost, per row and layer: the attention over the padding (at most
+``b - 1`` tokens), one pad copy each of q, k and v in the forward, and in the backward the cut output's gradient
+zero-filled to ``m`` (a fill and a copy). So that a shape maps to ONE plan, a
 padded row is its own tensor ``[1, H, m, D]`` laid out as q_proj writes it (strides ``(m*H*D, D, H*D, 1)``): no
 stride depends on the micro-batch's length.
 
-Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype). The
+Which one runs is ``attention_path`` (the trainer's ``attention_kernel`` resolved for its device and dtype), and for
+'auto' on CUDA the micro-batch's row lengths (``attention_choice.py``). The
 attention function, registered with transformers as ``trajflow_varlen``, gets the spans, the path, the SDPA kernel
 order and the bucket as the ``trajflow_packed`` keyword (``PackedAttention``) that transformers forwards from the
 decoder call to the attention function (also through gradient-checkpoint recomputation); ``packed_forward`` keeps
@@ -47,6 +49,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -239,6 +242,31 @@ def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[
             piece = piece.contiguous()  # a no-op in q_proj's layout; elsewhere the one layout a plan is keyed by
         rows.append(piece.unsqueeze(0).transpose(1, 2))
     return rows
+
+
+def build_row_plans(module, lengths: Sequence[int], sdpa_order: list | None, bucket: int, dtype: torch.dtype) -> int:
+    """For each padded length m of ``lengths``: ONE causal attention forward + backward of a single row of
+    ``max(1, m - bucket + 1)`` tokens (padded to m) through this decoder layer's attention function on the ``rows``
+    path, in the layout q_proj writes (``[1, L, H, D]`` memory), in ``dtype``, on the module's device. Returns the
+    number of calls.
+
+    cuDNN keys its plans by shapes, strides and dtype; every decoder layer has the same head count, key/value heads
+    and head dimension, and ``_split_rows`` gives a padded row strides of its own length alone, so one layer's call
+    builds the forward and backward plans a step's rows of that padded length use in every layer, at the cost of
+    the attention alone (no projections, MLP or logprobs). Inputs are zeros: no random draw, no RNG stream moves."""
+    cfg = module.config
+    heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim
+    device = next(module.parameters()).device
+    dropout = getattr(module, "attention_dropout", 0.0) if module.training else 0.0
+    for m in lengths:
+        n = max(1, m - bucket + 1)
+        packed = PackedAttention(RowSpans.of([n], device), "rows", sdpa_order, bucket)
+        q, k, v = (torch.zeros(1, n, h, dim, dtype=dtype, device=device, requires_grad=True)
+                   for h in (heads, kv_heads, kv_heads))
+        out, _ = _varlen_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                   trajflow_packed=packed, dropout=dropout, scaling=getattr(module, "scaling", None))
+        out.backward(torch.ones_like(out))
+    return len(lengths)
 
 
 def _varlen_mask(*args, **kwargs):

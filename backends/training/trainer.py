@@ -53,8 +53,9 @@ from backends.training.kernels.fused_lora import patch_lora
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import assign_aggregation_weights, policy_loss
-from backends.training.packed_attention import (PackedAttention, attention_path, bucketed, install_varlen_attention,
-                                               packed_forward, sdpa_backends)
+from backends.training.attention_choice import AttentionChoice
+from backends.training.packed_attention import (PackedAttention, build_row_plans, install_varlen_attention,
+                                               packed_forward)
 from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
@@ -237,17 +238,18 @@ class GRPOTrainer:
             layer.gradient_checkpointing = math.floor((i + 1) * fraction) > math.floor(i * fraction)
 
     def _choose_attention(self, config: TrainerConfig) -> None:
-        """The packed forward's attention path and, for its per-row SDPA calls, the kernel order (CUDA only: the
-        CPU has one kernel) and the bucket rows are padded to: ``attention_bucket`` for 'cudnn' on every device (the
-        CPU pads as the GPU does, so CPU tests of a 'cudnn' trainer run the padding), else 1. An
-        ``attention_kernel`` that cannot run here is a ValueError."""
-        self.attention_path = attention_path(config.attention_kernel, self.device, self.dtype) if self.packed else None
-        self.sdpa_order = sdpa_backends(config.attention_kernel) if self.device.type == "cuda" else None
-        cudnn_rows = config.attention_kernel == "cudnn" and self.attention_path == "rows"
-        self.attention_bucket = config.attention_bucket if cudnn_rows else 1
+        """The packed forwards' attention (``attention_choice.AttentionChoice``: a mode per micro-batch for 'auto' on
+        CUDA, one mode otherwise); an ``attention_kernel`` that cannot run here is a ValueError."""
+        self.attention = AttentionChoice.of(config.attention_kernel, self.device, self.dtype, config.attention_bucket,
+                                            config.long_row_tokens) if self.packed else None
+
+    @property
+    def attention_path(self) -> str | None:
+        """The attention path(s) of a packed forward, in words (None: not packed)."""
+        return self.attention.describe() if self.attention is not None else None
 
     def _packed_attention(self, mb: MicroBatch) -> PackedAttention:
-        return PackedAttention(mb.spans, self.attention_path, self.sdpa_order, self.attention_bucket)
+        return self.attention.packed(mb.spans)
 
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
@@ -423,29 +425,26 @@ class GRPOTrainer:
         What the first real step of a process would otherwise pay happens here, during set-up: compiling the
         torch.compile'd kernels (dynamic shapes: one compile serves every length), the attention and GEMM kernels'
         first launches, and the caching allocator growing to a full micro-batch. The rows are a full micro-batch
-        then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw).
+        then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw);
+        their lengths pick their attention mode as a step's would.
 
-        Padded rows (``attention_bucket`` b > 1: 'cudnn') add one row per padded length b, 2b, ...,
-        ``bucketed(micro_batch_tokens, b)``, each the shortest that pads to it ((k-1)*b + 1 tokens), packed first-fit
-        decreasing under the budget: every cuDNN plan, forward and backward, that a row within the budget can need
-        exists before step 0. Not built: a longer row's (it goes alone) and those of forwards without gradient (no
-        softmax statistics: another plan). The CPU has no plans but runs them too where asked (``warm_up: on``), as
-        the GPU would. ``warm_up_runs`` says what ran.
+        Padded rows (a bucketed mode: 'cudnn', or 'auto''s long micro-batches on CUDA) then get their cuDNN plans:
+        for every padded length a row within the budget can run at (``AttentionChoice.padded_lengths``: b, 2b, ...,
+        ``bucketed(micro_batch_tokens, b)``, for 'auto' from ``bucketed(long_row_tokens, b)``) ONE attention forward
+        + backward through the first decoder layer's attention (``packed_attention.build_row_plans``; every layer
+        has the same shapes), so every plan, forward and backward, a row within the budget can need exists before
+        step 0, for the attention's cost alone. Not built: a longer row's (it goes alone) and those of forwards
+        without gradient (no softmax statistics: another plan). The CPU has no plans but runs them too where asked
+        (``warm_up: on``), as the GPU would. ``warm_up_runs`` says what ran.
         """
         start = time.perf_counter()
-        budget, bucket = self.micro_batch_tokens, self.attention_bucket
-        row_sets = []
-        for k in range(micro_batches):
-            total = max(16, budget // (k + 1))
-            row_sets.append([self._warm_up_row(n) for n in (total // 2, total // 3, total - total // 2 - total // 3)])
-        padded = []
-        if bucket > 1:
-            padded = list(range(bucket, bucketed(budget, bucket) + 1, bucket))
-            row_sets.append([self._warm_up_row(max(2, m - bucket + 1)) for m in padded])
-        runs = {"micro_batches": 0, "tokens": 0, "bucket": bucket, "bucket_lengths": len(padded)}
+        budget = self.micro_batch_tokens
+        runs = {"micro_batches": 0, "tokens": 0, "bucket": 1, "bucket_lengths": 0}
         was_training = self.model.training
         self.model.train()
-        for rows in row_sets:
+        for k in range(micro_batches):
+            total = max(16, budget // (k + 1))
+            rows = [self._warm_up_row(n) for n in (total // 2, total // 3, total - total // 2 - total // 3)]
             for mb in self._micro_batches(rows):
                 logp, _ = self._token_logprobs(mb)
                 res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
@@ -453,6 +452,11 @@ class GRPOTrainer:
                 (res.loss * 0.0).backward()
                 runs["micro_batches"] += 1
                 runs["tokens"] += mb.tokens
+        mode, padded = self.attention.padded_lengths(budget) if self.attention is not None else (None, [])
+        if padded:
+            with self._autocast():
+                build_row_plans(self._attention_module(), padded, mode.sdpa_backends, mode.bucket, self.dtype)
+            runs.update(bucket=mode.bucket, bucket_lengths=len(padded), from_length=padded[0])
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train(was_training)
         if self.device.type == "cuda":
@@ -460,8 +464,12 @@ class GRPOTrainer:
         self.warm_up_runs = runs
         seconds = time.perf_counter() - start
         log.info("trainer warm-up: %d micro-batches, %d tokens, %d padded row lengths (bucket %d), %.1f s",
-                 runs["micro_batches"], runs["tokens"], len(padded), bucket, seconds)
+                 runs["micro_batches"], runs["tokens"], runs["bucket_lengths"], runs["bucket"], seconds)
         return seconds
+
+    def _attention_module(self) -> torch.nn.Module:
+        """The first decoder layer's attention module (its config, head_dim, scaling)."""
+        return next(m for m in self._lm.modules() if hasattr(m, "q_proj") and hasattr(m, "head_dim"))
 
     def _warm_up_row(self, n: int) -> TrainingRow:
         """A synthetic row of ``n`` tokens: ids ``(7i + 3) % vocab``, the first quarter (at least one token)

@@ -40,6 +40,8 @@ CASES = [
      "trainer: lr_schedule='cosine' needs total_steps"),
     ("attention kernel misspelled", ["train", "--set", "trainer.attention_kernel=varln"], 2,
      "trainer.attention_kernel: input should be 'auto', 'varlen', 'flash', 'sdpa-default' or 'cudnn', got 'varln'"),
+    ("long-row threshold zero", ["train", "--set", "trainer.long_row_tokens=0"], 2,
+     "trainer.long_row_tokens: input should be greater than or equal to 1, got 0"),
     ("vllm command empty", ["train", "--set", "inference.vllm_command=[]"], 2,
      "inference.vllm_command: the vLLM command must name an executable, got []"),
     ("vllm env not a list or mapping", ["train", "--set", "inference.vllm_env=3"], 2,

@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from backends.training.attention_choice import AttentionChoice
 from backends.training.config import TrainerConfig
 from backends.training.packed_attention import (CPU_PATH, PackedAttention, RowSpans, VarlenCall, _split_rows,
                                                attention_path, bucketed, sdpa_backends, varlen_function)
@@ -135,7 +136,7 @@ def test_a_packed_micro_batch_equals_each_row_alone_on_every_path(tiny_model_pat
     assert packed.spans.lengths == tuple(len(r) for r in rows) and packed.tokens == sum(len(r) for r in rows)
     assert packed.spans.cu_seqlens.dtype == torch.int32 and packed.spans.max_len == 33
     for path in ("rows", "varlen"):
-        trainer.attention_path = path
+        trainer.attention = AttentionChoice.fixed(path)
         logp, grads = _logprobs_and_grads(trainer, [packed])
         torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5, msg=lambda m: f"{path}: {m}")
         assert_same_gradients([grads], [want_grads], path)
@@ -156,9 +157,9 @@ def test_attention_kernel_picks_the_path_for_the_device_and_dtype(tiny_model_pat
     for kernel in ("auto", "varlen", "flash", "sdpa-default"):  # the CPU has one kernel: the setting is CUDA's
         assert attention_path(kernel, torch.device("cpu"), torch.float32) == CPU_PATH
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(attention_kernel="varlen"))
-    assert trainer.attention_path == CPU_PATH and trainer.sdpa_order is None
+    assert trainer.attention == AttentionChoice.fixed(CPU_PATH) and trainer.attention_path == CPU_PATH
     trainer.update_config(attention_kernel="flash")
-    assert trainer.attention_path == CPU_PATH
+    assert trainer.attention == AttentionChoice.fixed(CPU_PATH)
 
 
 def test_varlen_calls_follow_the_signature_of_each_torch():
@@ -216,7 +217,7 @@ def test_rows_padded_to_a_bucket_equal_each_row_alone(tiny_model_path, sdpa_call
     trainer.packed = False
     want_logp, want_grads = _logprobs_and_grads(trainer, [make_micro_batch([r], "cpu") for r in rows])
     trainer.packed = True
-    trainer.attention_path, trainer.attention_bucket = "rows", bucket
+    trainer.attention = AttentionChoice.fixed("rows", bucket=bucket)
     sdpa_calls.clear()
     logp, grads = _logprobs_and_grads(trainer, [make_micro_batch(rows, "cpu")])
     torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
@@ -273,7 +274,7 @@ def test_cudnn_reaches_the_sdpa_call_first_with_its_bucket(tiny_model_path, tool
     assert trainer.sequence_logprobs(p1, t1.token_ids) == pytest.approx(default, abs=1e-5)
     assert sdpa_calls and all(order[:4] == [int(b) for b in cudnn_first] for _, _, order in sdpa_calls)
     trainer.update_config(attention_kernel="flash")
-    assert trainer.attention_bucket == 1 and trainer._packed_attention(mb).bucket == 1
+    assert trainer.attention.usual.bucket == 1 and trainer._packed_attention(mb).bucket == 1
 
 
 def test_attention_bucket_is_validated():

@@ -8,6 +8,7 @@ import torch
 
 from agents.trajectory import Trajectory, TrajectoryGroup
 from backends.modeling.host_memory import release_freed_memory
+from backends.training.attention_choice import AttentionChoice
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer, lr_factor
 from tests.fixtures_trainer import (
@@ -307,12 +308,12 @@ def test_packed_attention_runs_the_chosen_sdpa_kernels(tiny_model_path, tool_con
     from backends.training import packed_attention
 
     trainer = _trainer(tiny_model_path)
-    trainer.attention_path = "rows"
+    assert trainer.attention == AttentionChoice.fixed("rows")
     t1, p1 = tool_conversation["turns"][0], tool_conversation["prompts"][0]
     default = trainer.sequence_logprobs(p1, t1.token_ids)
-    trainer.sdpa_order = [SDPBackend.MATH]
+    trainer.attention = AttentionChoice.fixed("rows", [SDPBackend.MATH])
     assert trainer.sequence_logprobs(p1, t1.token_ids) == pytest.approx(default, abs=1e-5)
-    trainer.sdpa_order = [SDPBackend.EFFICIENT_ATTENTION]
+    trainer.attention = AttentionChoice.fixed("rows", [SDPBackend.EFFICIENT_ATTENTION])
     with pytest.raises(RuntimeError, match="No viable backend|No available kernel"):
         trainer.sequence_logprobs(p1, t1.token_ids)
     assert packed_attention.sdpa_backends("sdpa-default") is None
@@ -350,7 +351,8 @@ def test_warm_up_changes_nothing_a_step_depends_on(tiny_model_path, monkeypatch,
     runs = trainer.warm_up_runs
     if attention:
         assert warmed == {16, 32, 48, 64} and runs["bucket_lengths"] == 4 and runs["bucket"] == 16
-        assert runs["micro_batches"] == 2 + 2  # the two generic ones, then rows of 2, 17, 33, 49 tokens in two
+        # the two generic micro-batches, then one attention call per padded length, not whole-model micro-batches
+        assert runs["micro_batches"] == 2 and runs["tokens"] == 64 + 32 and runs["from_length"] == 16
     else:
         assert runs == {"micro_batches": 2, "tokens": 64 + 32, "bucket": 1, "bucket_lengths": 0}
     assert trainer.warm_up_s == 0.0  # 'auto' warms up on CUDA only
