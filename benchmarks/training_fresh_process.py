@@ -31,6 +31,10 @@ forward, so 3x that forward + backward.
 
     python benchmarks/training_fresh_process.py --out benchmarks/results/training-fresh-h200.json
     python benchmarks/training_fresh_process.py --smoke --out /tmp/fresh.json   # CPU, tiny shape, seconds
+    # 'auto' (per micro-batch) against its two sides and cuDNN with a larger budget, one process each:
+    RUNS=defaults+warm-up:cold-cache,varlen+warm-up:cold-cache,cudnn+warm-up:cold-cache,cudnn-mb24k+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
+        --out $OUT/training-fresh-auto-h200.json
 
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """

@@ -200,7 +200,9 @@ class TrainerConfig(BaseModel):
         default="auto",
         description="At set-up, run forward + backward on two synthetic packed micro-batches and drop the "
         "gradients (GRPOTrainer.warm_up: no step; adapter, optimizer and RNG untouched), so compiling the "
-        "torch.compile'd kernels happens before the first step instead of inside it. 'auto': on for CUDA.",
+        "torch.compile'd kernels happens before the first step instead of inside it; with padded rows ('cudnn', "
+        "'auto''s long micro-batches) also one attention forward + backward per padded length, so cuDNN's plans "
+        "exist before step 0. 'auto': on for CUDA.",
     )
     attention_kernel: Literal["auto", "varlen", "flash", "sdpa-default", "cudnn"] = Field(
         default="auto",
@@ -223,8 +225,8 @@ class TrainerConfig(BaseModel):
     attention_bucket: int = Field(
         default=512, ge=1,
         description="With attention_kernel 'cudnn', each packed row's attention runs on its length rounded up to "
-        "a multiple of this: larger buckets mean fewer cuDNN plans to build in the warm-up (one per multiple up "
-        "to the micro-batch budget; a 16k budget at 512: 32 lengths, ~254k warm-up tokens, at 256: 64, ~516k) but "
+        "a multiple of this: larger buckets mean fewer cuDNN plans to build in the warm-up (one attention "
+        "forward + backward per multiple up to the micro-batch budget; a 16k budget at 512: 32, at 256: 64) but "
         "more attention over padding (up to bucket - 1 tokens a row). 1: no padding. Also the bucket of 'auto''s "
         "long micro-batches (long_row_tokens). Other kernels ignore it.",
     )
