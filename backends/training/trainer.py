@@ -425,8 +425,8 @@ class GRPOTrainer:
         What the first real step of a process would otherwise pay happens here, during set-up: compiling the
         torch.compile'd kernels (dynamic shapes: one compile serves every length), the attention and GEMM kernels'
         first launches, and the caching allocator growing to a full micro-batch. The rows are a full micro-batch
-        then a smaller one, each split into rows of different lengths, token ids ``i % vocab`` (no random draw);
-        their lengths pick their attention mode as a step's would.
+        then a smaller one, each split into rows of different lengths (``_warm_up_lengths``), token ids ``i % vocab``
+        (no random draw); their lengths pick their attention mode as a step's would.
 
         Padded rows (a bucketed mode: 'cudnn', or 'auto''s long micro-batches on CUDA) then get their cuDNN plans:
         for every padded length a row within the budget can run at (``AttentionChoice.padded_lengths``: b, 2b, ...,
@@ -442,10 +442,8 @@ class GRPOTrainer:
         runs = {"micro_batches": 0, "tokens": 0, "bucket": 1, "bucket_lengths": 0}
         was_training = self.model.training
         self.model.train()
-        for k in range(micro_batches):
-            total = max(16, budget // (k + 1))
-            rows = [self._warm_up_row(n) for n in (total // 2, total // 3, total - total // 2 - total // 3)]
-            for mb in self._micro_batches(rows):
+        for lengths in self._warm_up_lengths(micro_batches):
+            for mb in self._micro_batches([self._warm_up_row(n) for n in lengths]):
                 logp, _ = self._token_logprobs(mb)
                 res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
                                   loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
@@ -466,6 +464,26 @@ class GRPOTrainer:
         log.info("trainer warm-up: %d micro-batches, %d tokens, %d padded row lengths (bucket %d), %.1f s",
                  runs["micro_batches"], runs["tokens"], runs["bucket_lengths"], runs["bucket"], seconds)
         return seconds
+
+    def _warm_up_lengths(self, micro_batches: int) -> list[list[int]]:
+        """Row lengths of the warm-up's generic micro-batches: micro-batch k holds ``budget / (k + 1)`` tokens in
+        rows of 1/2, 1/3 and 1/6 of it. With two attention modes ('auto' on CUDA, ``long_row_tokens`` T within the
+        budget) the first is cut into rows of T (the last takes the rest) and the others' last row is kept under T,
+        so each mode runs once through the whole model, the long one (padded rows, more memory) at full size."""
+        budget = self.micro_batch_tokens
+        long = self.attention.long_row_tokens if self.attention is not None and self.attention.long else None
+        sets = []
+        for k in range(micro_batches):
+            total = max(16, budget // (k + 1))
+            lengths = [total // 2, total // 3, total - total // 2 - total // 3]
+            if long is not None and long <= budget:
+                if k == 0:
+                    rows, rest = divmod(total, long)
+                    lengths = [long] * (rows - 1) + [long + rest]
+                else:
+                    lengths[-1] = max(1, min(lengths[-1], long - 1))
+            sets.append(lengths)
+        return sets
 
     def _attention_module(self) -> torch.nn.Module:
         """The first decoder layer's attention module (its config, head_dim, scaling)."""

@@ -72,6 +72,25 @@ def test_padded_lengths_are_those_the_rule_can_reach():
     assert padded("auto", CPU) == []
 
 
+def test_warm_up_lengths_run_each_mode_once(tiny_model_path):
+    """One mode: the budget split 1/2, 1/3, 1/6, then half of it so. 'auto' on CUDA: the full micro-batch in rows of
+    long_row_tokens (the last takes the rest), the other with a row under it; a threshold over the budget: as one."""
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(micro_batch_tokens=16384))
+    assert trainer._warm_up_lengths(2) == [[8192, 5461, 2731], [4096, 2730, 1366]]
+    for long_row_tokens, want in ((2048, [[2048] * 8, [4096, 2730, 1366]]),
+                                  (5000, [[5000, 5000, 6384], [4096, 2730, 1366]]),
+                                  (1000, [[1000] * 15 + [1384], [4096, 2730, 999]]),
+                                  (20000, None)):
+        trainer.update_config(long_row_tokens=long_row_tokens)
+        trainer.device, trainer.dtype = CUDA, torch.bfloat16
+        trainer._choose_attention(trainer.config)
+        trainer.device, trainer.dtype = CPU, torch.float32
+        lengths = trainer._warm_up_lengths(2)
+        assert lengths == (want or [[8192, 5461, 2731], [4096, 2730, 1366]]), long_row_tokens
+        modes = [trainer.attention.mode(n).path for n in lengths]
+        assert modes == (["rows", "varlen"] if want else ["varlen", "varlen"]), long_row_tokens
+
+
 def _long_and_short(vocab: int) -> tuple[TrainingRow, TrainingRow]:
     def row(n):
         return TrainingRow([(5 * i + 1) % vocab for i in range(n)], [i > 0 for i in range(n)], [0.0] * n)
@@ -110,19 +129,21 @@ def test_the_trainer_chooses_per_micro_batch(tiny_model_path, cpu_varlen_kernel,
 
 def test_auto_warms_up_the_long_padded_lengths_with_one_attention_call_each(tiny_model_path, cpu_varlen_kernel,
                                                                             sdpa_calls):  # noqa: F811
-    """'auto' resolved for CUDA: the warm-up's generic micro-batches run whichever mode their rows pick, then ONE
-    attention forward + backward per padded length from the threshold's bucket to the budget's (here 48 and 64:
-    one SDPA call each, forward and backward through autograd), cuDNN first; gradients dropped."""
+    """'auto' resolved for CUDA: the warm-up's first generic micro-batch is long rows (cuDNN rows through the whole
+    model), the second has a short row (varlen), then ONE attention forward + backward per padded length from the
+    threshold's bucket to the budget's (here 48 and 64: one SDPA call each), cuDNN first; gradients dropped."""
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(long_row_tokens=40, attention_bucket=16,
                                                               micro_batch_tokens=64))
     trainer.device, trainer.dtype = CUDA, torch.bfloat16
     trainer._choose_attention(trainer.config)
     trainer.device, trainer.dtype = CPU, torch.float32
     sdpa_calls.clear()
+    assert trainer._warm_up_lengths(2) == [[64], [16, 10, 6]]  # one row of 64 >= 40; then 6 < 40
     assert trainer.warm_up() > 0
-    # generic rows: 32 + 21 + 11 and 16 + 10 + 6 tokens, all shorter than 40: varlen, no SDPA call
-    assert [(q, order[0]) for q, _, order in sdpa_calls] == [(48, int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)),
-                                                             (64, int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION))]
+    cudnn = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    layers = trainer._lm.config.num_hidden_layers
+    # the 64-token row through every layer, the short micro-batch through varlen (no SDPA call), then the plans
+    assert [(q, order[0]) for q, _, order in sdpa_calls] == [(64, cudnn)] * layers + [(48, cudnn), (64, cudnn)]
     assert trainer.warm_up_runs == {"micro_batches": 2, "tokens": 64 + 32, "bucket": 16, "bucket_lengths": 2,
                                     "from_length": 48}
     assert all(p.grad is None for p in trainer.model.parameters())
