@@ -6,9 +6,10 @@ launch of the update needs: on the H200 the update took 1.7-2x as long beside th
 In a process of its own the update keeps its speed, and the trainer's memory (and a crash of it: out of memory)
 stays out of the flow's process. The child lives as long as the run's runtime, so the cold start is paid once.
 
-The parent (:class:`TrainerProcess`, one per run in the flow's ``Runtime``) starts
+The parent (:class:`TrainerProcess`, one per run in the flow's ``Runtime``) starts the child
+(``tasks/support/trainer_worker.py``)
 
-    python -m tasks.support.trainer_process CONFIG.json
+    python -m tasks.support.trainer_worker CONFIG.json
 
 and writes one JSON line per request to its stdin, ``{"op": "initialize" | "sft" | "train", "step": N}``, served one
 at a time. The child answers on its stdout (its own prints and C libraries' output go to stderr): zero or more log
@@ -26,7 +27,6 @@ a step that the resumed flow redoes; a crash point reached in the child (the res
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import importlib
 import json
@@ -37,18 +37,18 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from tasks.run_config import RunConfig
 from tasks.support.crash_points import CRASH_PID_ENV
-from tasks.support.distributed_training import PARENT_ENV, exit_when_gone
+from tasks.support.distributed_training import PARENT_ENV
 from tasks.support.retry_policy import TransientError, is_transient
 
 log = logging.getLogger("trajflow")
 
 OPS = ("initialize", "sft", "train")
+WORKER = "tasks.support.trainer_worker"
 STOP_GRACE_S = 30.0
 
 
@@ -100,7 +100,7 @@ class TrainerProcess:
         config_file = Path(self._dir.name) / "config.json"
         config_file.write_text(self.config.model_dump_json())
         env = {**os.environ, PARENT_ENV: str(os.getpid()), CRASH_PID_ENV: str(os.getpid())}
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(config_file)], env=env,
+        self._proc = subprocess.Popen([sys.executable, "-m", WORKER, str(config_file)], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         log.info("trainer process started (pid %d)", self._proc.pid)
         return self._proc
@@ -162,70 +162,3 @@ def rebuilt_error(record: dict[str, Any], where: str) -> Exception:
     except Exception:  # noqa: BLE001 - a type that will not import or construct: named in a RuntimeError instead
         pass
     return RuntimeError(f"{where}: {record['type']}: {record['message']}")
-
-
-# ---- the child side ------------------------------------------------------------------------------------------------
-class _Forward(logging.Handler):
-    """Log records as protocol lines, so they reach the flow's log (file, console, Prefect) as the parent's own."""
-
-    def __init__(self, send):
-        super().__init__(logging.INFO)
-        self.send = send
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if record.exc_info:
-            message += "\n" + logging.Formatter().formatException(record.exc_info)
-        self.send({"log": record.levelno, "message": message})
-
-
-def serve(config: RunConfig, op: str, step: int) -> tuple[dict[str, Any], dict[str, float]]:
-    """One request, run as ``training.mode: local`` runs it in the flow's process."""
-    from tasks import sft, training
-
-    if op == "initialize":
-        return training.initialize_policy_fn(config), {}
-    if op == "sft":
-        return sft.sft_policy_fn(config), {}
-    result = training.train_policy_fn(config, step)
-    return result, training.pop_body_seconds(config, step)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.support.trainer_process")
-    parser.add_argument("config_file", type=Path)
-    args = parser.parse_args(argv)
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints and C libraries' output must not reach the protocol
-    lock = threading.Lock()
-
-    def send(message: dict[str, Any]) -> None:
-        with lock:
-            answers.write(json.dumps(message, default=str) + "\n")
-            answers.flush()
-
-    trajflow = logging.getLogger("trajflow")
-    trajflow.addHandler(_Forward(send))
-    trajflow.setLevel(logging.INFO)
-    trajflow.propagate = False
-    if os.environ.get(PARENT_ENV):
-        exit_when_gone(int(os.environ[PARENT_ENV]))
-    config = RunConfig.model_validate_json(args.config_file.read_text())
-    config = config.model_copy(update={"training": config.training.model_copy(update={"mode": "local"})})
-    for line in sys.stdin.buffer:
-        request = json.loads(line)
-        if request["op"] == "exit":
-            break
-        started = time.perf_counter()
-        try:
-            result, seconds = serve(config, request["op"], int(request["step"]))
-        except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, which raises it
-            trajflow.debug("request %s failed after %.1f s", request, time.perf_counter() - started)
-            send({"error": error_record(exc)})
-        else:
-            send({"result": result, "seconds": seconds})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

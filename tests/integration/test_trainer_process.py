@@ -1,6 +1,6 @@
 """training.mode=process: the trainer in a child process of the flow (tasks/support/trainer_process.py), for real.
 
-Each test starts real children (python -m tasks.support.trainer_process) on configs/tiny.yaml's tiny-random model;
+Each test starts real children (python -m tasks.support.trainer_worker) on configs/tiny.yaml's tiny-random model;
 the flow-level kill and resume in this mode is in test_resume.py.
 """
 
