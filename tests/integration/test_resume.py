@@ -154,20 +154,21 @@ def assert_sampled_once(proxy, missing: dict[int, int], steps_done: tuple[int, .
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher, tmp_path, request):
-    """pipeline.max_off_policy_steps=1, 3 steps: killed (a) mid-rollouts of step 2 while step 1 runs; locally, with
-    the update in a trainer process (training.mode=process), also (b) inside that process after step 2's update,
-    before its checkpoint is stored (the crash point kills the flow; the trainer process exits with it), and (c) after
-    step 2 is trained and published, before its commit (step 3's rollouts running ahead); then resumed to the end,
-    each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled within the
-    bound, and (locally) the adapters equal an uninterrupted k=1 run's on the same rollouts with the update in the
-    flow's process."""
+    """pipeline.max_off_policy_steps=1, 3 steps: killed (a) mid-rollouts of step 2 while step 1 runs; then, locally,
+    (c) after step 2 is trained and published, before its commit (step 3's rollouts running ahead); on S3, with the
+    update in a trainer process (training.mode=process), (b) inside that process after step 2's update, before its
+    checkpoint is stored (the crash point kills the flow; the trainer process exits with it); then resumed to the
+    end, each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled within
+    the bound, and an uninterrupted k=1 run on the same rollouts with the update in the flow's process gives the same
+    adapters: the same bytes locally; to rounding after the trainer process (a fresh interpreter's CPU math differed
+    in the last bit of a few weights in 5 of 17 runs)."""
     from tests.integration.test_trainer_process import wait_gone
 
     api = session_api()
     root, env = storage_of(kind, tmp_path, request)
     store = RunStore(root, "ci", "tiny")
     proxy, launcher = counting_server, fork_launcher
-    sets = (*ASYNC, "training.mode=process") if kind == "local" else ASYNC
+    sets = (*ASYNC, "training.mode=process") if kind == "s3" else ASYNC
 
     def run(crash_at):
         proxy.reset()
@@ -182,14 +183,14 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
     assert code == -signal.SIGKILL, out[-3000:]
     assert GROUPS - missing_groups(store)[2] >= 1 and store.committed_steps() in ([0], [0, 1])
 
-    if kind == "local":
+    if kind == "s3":
         # (b) resumed: steps 1 and 2 sample only their missing groups; killed inside the trainer process
         code, out, missing = run("training:2")
         assert code == -signal.SIGKILL and "trainer process started" in out, out[-3000:]
         assert_sampled_once(proxy, missing, (1, 2))
         assert store.committed_steps() == [0, 1] and not store.exists(2, "training.json")
-
-        # (c) resumed: step 2 trains from its stored groups; killed between its publish and commit
+    else:
+        # (c) resumed: steps 1 and 2 sample only their missing groups; killed between step 2's publish and commit
         code, out, missing = run("before-commit:2")
         assert code == -signal.SIGKILL, out[-3000:]
         assert_sampled_once(proxy, missing, (1, 2))
@@ -204,13 +205,14 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
         assert {g.policy_step for g in store.read_groups(step, "scored.parquet")} == {max(0, step - 2)}
         assert store.read_manifest(step).metrics["pipeline/staleness_max"] <= 1
 
-    if kind == "local":  # the uninterrupted k=1 run on the same rollouts: no request, same adapter bytes
-        assert "trainer process started" not in assert_async_replay_equal(store, proxy, launcher, tmp_path, api)
+    # the uninterrupted k=1 run on the same rollouts, the update in the flow's process: no request, same adapters
+    out = assert_async_replay_equal(store, proxy, launcher, tmp_path, api, exact=kind == "local")
+    assert "trainer process started" not in out
 
 
-def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, api: str) -> str:
+def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, api: str, exact: bool) -> str:
     """An uninterrupted k=1 run (update in the flow's process) over a copy of `store`'s rollouts requests nothing and
-    trains every step to the same adapter bytes; its log."""
+    trains every step to the same adapter (`exact`: bytes; else every weight within float32 rounding); its log."""
     replay_root = tmp_path / "replay"
     copy_rollouts_only(store, replay_root)
     proxy.reset()
@@ -220,6 +222,20 @@ def assert_async_replay_equal(store: RunStore, proxy, launcher, tmp_path: Path, 
     assert all(not proxy.rollout_requests(f"tiny@{p}") for p in range(ASYNC_STEPS))
     replay = RunStore(str(replay_root), "ci", "tiny")
     for step in range(1, ASYNC_STEPS + 1):
-        assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
+        if exact:
+            assert adapter_bytes(replay, step) == adapter_bytes(store, step), f"adapter of step {step} differs"
+        else:
+            assert_adapters_close(adapter_bytes(replay, step), adapter_bytes(store, step), step)
     return out
+
+
+def assert_adapters_close(expected: bytes, actual: bytes, step: int) -> None:
+    """Same tensors, every weight within 1e-5 relative (the runs differed in the last bit of a few of ~10k)."""
+    import torch
+    from safetensors.torch import load
+
+    want, got = load(expected), load(actual)
+    assert sorted(want) == sorted(got), step
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
 
