@@ -11,8 +11,10 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(BIN)/trajflow train configs/default.yaml
 
+# Two workers (one per core of the CI machine, at most four elsewhere), whole files per worker: the heavy tests mostly
+# wait on processes they start, so the suite takes ~9 minutes instead of ~13 on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=10
 
 venv: $(STAMP)
 
