@@ -84,8 +84,10 @@ class TrainerProcess:
                 line = proc.stdout.readline()
                 if not line:
                     raise self._lost(op, step)
-                message = json.loads(line)
-                if "log" in message:
+                message = protocol_line(line)
+                if message is None:  # printed by an import before the child moved its stdout to stderr
+                    log.info("trainer process: %s", line.decode(errors="replace").rstrip())
+                elif "log" in message:
                     log.log(int(message["log"]), "%s", message["message"])
                 elif "error" in message:
                     raise rebuilt_error(message["error"], f"{_what(op, step)} in the trainer process")
@@ -136,6 +138,15 @@ class TrainerProcess:
             if self._dir is not None:
                 self._dir.cleanup()
                 self._dir = None
+
+
+def protocol_line(line: bytes) -> dict[str, Any] | None:
+    """The child's answer or log record on this line; None for anything else (plain output)."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) and message.keys() & {"log", "error", "result"} else None
 
 
 def _what(op: str, step: int) -> str:

@@ -17,7 +17,8 @@ import pytest
 from storage.errors import NotFoundError
 from tasks.run_config import load_config
 from tasks.support.retry_policy import TransientError, is_transient
-from tasks.support.trainer_process import TrainerLostError, TrainerProcess, error_record, rebuilt_error
+from tasks.support.trainer_process import (TrainerLostError, TrainerProcess, error_record, protocol_line,
+                                           rebuilt_error)
 from tests.paths import REPO
 
 
@@ -94,3 +95,10 @@ def test_rebuilt_errors():
     assert type(unknown) is RuntimeError and str(unknown) == "step 3: nowhere.Missing: m"
     not_an_error = rebuilt_error({"type": "builtins.print", "message": "m", "transient": False}, "step 3")
     assert type(not_an_error) is RuntimeError
+
+
+def test_plain_output_is_not_taken_for_an_answer():
+    assert protocol_line(b'{"result": {"step": 1}, "seconds": {}}\n') == {"result": {"step": 1}, "seconds": {}}
+    assert protocol_line(b'{"log": 20, "message": "m"}\n')["log"] == 20
+    for line in (b"Loading weights: 100%\n", b"[1, 2]\n", b'{"step": 1}\n', b"\n"):
+        assert protocol_line(line) is None, line
