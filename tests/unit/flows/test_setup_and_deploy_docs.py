@@ -22,10 +22,11 @@ def test_the_readme_set_up_commands_stay_as_they_are():
     ]
 
 
-def test_make_test_shows_the_ten_slowest_tests():
+def test_make_test_shows_the_ten_slowest_tests_and_runs_on_workers():
     dry = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert any(re.search(r"-m pytest -q --durations=10$", line) for line in dry.stdout.splitlines()), dry.stdout
+    assert any(re.search(r"-m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=10$", line)
+               for line in dry.stdout.splitlines()), dry.stdout
 
 
 def _deploy_commands() -> tuple[list[str], list[str]]:
