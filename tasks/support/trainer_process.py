@@ -2,7 +2,7 @@
 
 Why: with ``pipeline.max_off_policy_steps`` >= 1 the flow's process runs the rollouts of later steps on its threads
 while a step trains, and their client side (the agent, the openai client, parsing) holds the GIL that every kernel
-launch of the update needs: on the H200 the update took 1.7-2x as long beside them (benchmarks/results/async-h200.md).
+launch of the update needs: on the H200 the update took 1.5-2x as long beside them (benchmarks/results/async-h200.md).
 In a process of its own the update keeps its speed, and the trainer's memory (and a crash of it: out of memory)
 stays out of the flow's process. The child lives as long as the run's runtime, so the cold start is paid once.
 
@@ -16,7 +16,8 @@ at a time. The child answers on its stdout (its own prints and C libraries' outp
 records of its ``trajflow`` logger, ``{"log": LEVEL, "message": TEXT}``, which the parent logs as its own, then one
 ``{"result": RESULT, "seconds": {...}}`` or ``{"error": {"type", "message", "transient"}}``. It runs the functions
 ``training.mode: local`` runs (tasks/training.py, tasks/sft.py) on the config with mode ``local``, so it writes the
-same files, in the same order, and a resumed run cannot tell which mode trained a step.
+same files in the same order, and a resumed run reads them whichever mode trained a step (the weights agree within
+float32 rounding: tests/integration/test_resume.py).
 
 Failures: the child's own error fails the step with its type and message (a transient one is retried, as in the
 flow's process); a child that dies (a signal: out of memory, a kill) fails it with :class:`TrainerLostError`
