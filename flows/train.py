@@ -60,7 +60,7 @@ from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime, get_runtime
 from tasks.support.tag_limits import with_tag_limits
 from tasks.support.tracking import track_step
-from tasks.training import initialize_policy_fn, train_policy, train_time_metrics
+from tasks.training import in_child, initialize_policy_fn, train_policy, train_time_metrics
 
 log = logging.getLogger("trajflow")
 
@@ -160,6 +160,8 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
         training = training_result(store, last)
         with_run_storage(publish_policy)(config, last, training)
         log.info("resuming %s/%s after committed step %d", config.project, config.run, last)
+        if in_child(config):  # the trainer process loads the model while the first rollouts run
+            get_runtime(config).trainer_process().preload(last)
     # with pipeline.max_off_policy_steps > 0 the rollouts of later steps run meanwhile (tasks/pipeline.py)
     with RolloutsAhead(config, with_run_storage) as ahead:
         for step in range(last + 1, config.steps + 1):

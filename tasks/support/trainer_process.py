@@ -11,13 +11,14 @@ The parent (:class:`TrainerProcess`, one per run in the flow's ``Runtime``) star
 
     python -m tasks.support.trainer_worker CONFIG.json
 
-and writes one JSON line per request to its stdin, ``{"op": "initialize" | "sft" | "train", "step": N}``, served one
-at a time. The child answers on its stdout (its own prints and C libraries' output go to stderr): zero or more log
-records of its ``trajflow`` logger, ``{"log": LEVEL, "message": TEXT}``, which the parent logs as its own, then one
-``{"result": RESULT, "seconds": {...}}`` or ``{"error": {"type", "message", "transient"}}``. It runs the functions
-``training.mode: local`` runs (tasks/training.py, tasks/sft.py) on the config with mode ``local``, so it writes the
-same files in the same order, and a resumed run reads them whichever mode trained a step (the weights agree within
-float32 rounding: tests/integration/test_resume.py).
+and writes one JSON line per request to its stdin, ``{"op": "initialize" | "sft" | "train" | "load", "step": N}``,
+served one at a time (``load``: the trainer at checkpoint N ahead of the update that needs it, which a resumed flow
+asks for at its start). The child answers on its stdout (its own prints and C libraries' output go to stderr):
+zero or more log records of its ``trajflow`` logger, ``{"log": LEVEL, "message": TEXT}``, which the parent logs as
+its own, then one ``{"result": RESULT, "seconds": {...}}`` or ``{"error": {"type", "message", "transient"}}``. It
+runs the functions ``training.mode: local`` runs (tasks/training.py, tasks/sft.py) on the config with mode
+``local``, so it writes the same files in the same order, and a resumed run reads them whichever mode trained a
+step (the weights agree within float32 rounding: tests/integration/test_resume.py).
 
 Failures: the child's own error fails the step with its type and message (a transient one is retried, as in the
 flow's process); a child that dies (a signal: out of memory, a kill) fails it with :class:`TrainerLostError`
@@ -48,7 +49,7 @@ from tasks.support.retry_policy import TransientError, is_transient
 
 log = logging.getLogger("trajflow")
 
-OPS = ("initialize", "sft", "train")
+OPS = ("initialize", "sft", "train", "load")
 WORKER = "tasks.support.trainer_worker"
 STOP_GRACE_S = 30.0
 
@@ -94,6 +95,21 @@ class TrainerProcess:
                     raise rebuilt_error(message["error"], f"{_what(op, step)} in the trainer process")
                 else:
                     return message["result"], message.get("seconds", {})
+
+    def preload(self, step: int) -> threading.Thread:
+        """Start the child and put its trainer at checkpoint `step` on a thread, so that a resumed run's first update
+        does not wait for the model load (it overlaps the first rollouts); a failure is only logged, since the update
+        that needs the trainer raises it again with its own step."""
+
+        def load() -> None:
+            try:
+                self.request("load", step)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.warning("loading the trainer process at step %d ahead of the update failed: %s", step, exc)
+
+        thread = threading.Thread(target=load, name="trajflow-trainer-preload", daemon=True)
+        thread.start()
+        return thread
 
     def _started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
@@ -151,7 +167,9 @@ def protocol_line(line: bytes) -> dict[str, Any] | None:
 
 
 def _what(op: str, step: int) -> str:
-    return {"initialize": "the initial adapter (step 0)", "sft": "the SFT stage (step 0)"}.get(op, f"training step {step}")
+    named = {"initialize": "the initial adapter (step 0)", "sft": "the SFT stage (step 0)",
+             "load": f"loading the trainer at step {step}"}
+    return named.get(op, f"training step {step}")
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:

@@ -46,6 +46,11 @@ def serve(config: RunConfig, op: str, step: int) -> tuple[dict[str, Any], dict[s
         return training.initialize_policy_fn(config), {}
     if op == "sft":
         return sft.sft_policy_fn(config), {}
+    if op == "load":
+        from tasks.support.runtime import get_runtime
+
+        get_runtime(config).trainer_at(step)
+        return {"step": step}, {}
     result = training.train_policy_fn(config, step)
     return result, training.pop_body_seconds(config, step)
 

@@ -38,7 +38,7 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_errors_come_back_as_their_type_and_a_lost_child_is_replaced(tmp_path):
+def test_errors_come_back_as_their_type_and_a_lost_child_is_replaced(tmp_path, caplog):
     config = load_config("configs/tiny.yaml", [f"storage={tmp_path / 'runs'}", "training.mode=process"])
     trainer = TrainerProcess(config)
     try:
@@ -58,9 +58,13 @@ def test_errors_come_back_as_their_type_and_a_lost_child_is_replaced(tmp_path):
             trainer.request("train", 1)
         assert is_transient(lost.value) and trainer.pid is None
 
-        # the retry: a new child, from storage
+        # the retry (here: a resumed flow's preload): a new child, its trainer loaded from storage
+        trainer.preload(0).join(timeout=120)
+        second = trainer.pid
+        assert second not in (None, first)
+        assert not [r for r in caplog.records if "ahead of the update failed" in r.getMessage()], caplog.text
         result, _ = trainer.request("initialize", 0)
-        assert result["step"] == 0 and trainer.pid not in (None, first)
+        assert result["step"] == 0 and trainer.pid == second
     finally:
         child = trainer.pid
         trainer.close()
