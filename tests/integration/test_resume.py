@@ -160,8 +160,9 @@ def test_async_kill_and_resume(kind, counting_server, prefect_api, fork_launcher
     checkpoint is stored (the crash point kills the flow; the trainer process exits with it); then resumed to the
     end, each run on a fresh Prefect home. No stored group is sampled again, every trained group was sampled within
     the bound, and an uninterrupted k=1 run on the same rollouts with the update in the flow's process gives the same
-    adapters: the same bytes locally; to rounding after the trainer process (a fresh interpreter's CPU math differed
-    in the last bit of a few weights in 5 of 17 runs)."""
+    adapters: the same bytes locally; to rounding after the trainer process, a fresh interpreter (it differed in the
+    last bit of a few weights in 5 of 17 runs: MKL's default code path depends on where buffers land, and the flow
+    runs here are all forked from one process while the trainer process is not; README, "Async pipeline")."""
     from tests.integration.test_trainer_process import wait_gone
 
     api = session_api()
