@@ -227,7 +227,7 @@ def environment() -> dict:
             "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def summary(doc: dict) -> dict:
+def run_briefs(doc: dict) -> dict:
     def brief(r: dict | None) -> dict | None:
         if r is None:
             return None
@@ -250,7 +250,7 @@ def summarised(doc: dict) -> dict:
     """`doc` with the issue's figure first (``summary``: exactly ``main_job_peak_rss_gib``), then ``details`` (both
     runs in brief), then the runs."""
     runs = {k: v for k, v in doc.items() if k not in ("summary", "details")}
-    details = summary(runs)
+    details = run_briefs(runs)
     peak = details["after"]["peak_rss_gib"] if details["after"] else None
     return {"summary": {"main_job_peak_rss_gib": peak}, "details": details, **runs}
 

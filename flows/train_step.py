@@ -15,7 +15,7 @@ from prefect import flow, task
 from tasks.run_config import RunConfig
 from tasks.support.result_storage import result_storage_for
 from tasks.support.runtime import close_runtime
-from tasks.training import train_policy_fn
+from tasks.training import train_policy_fn, trained_here
 
 
 @task(name="train-on-gpu", tags=["gpu"])
@@ -26,7 +26,7 @@ def _train(config: RunConfig, step: int) -> dict[str, Any]:
 @flow(name="train-step")
 def train_step(config: RunConfig, step: int) -> dict[str, Any]:
     """One GRPO update of `config`'s run from checkpoint step-1 to step, on this worker's device."""
-    local = config.model_copy(update={"training": config.training.model_copy(update={"mode": "local"})})
+    local = trained_here(config)
     try:
         return _train.with_options(result_storage=result_storage_for(local))(local, step)
     finally:

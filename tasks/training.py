@@ -62,6 +62,12 @@ def training_mode(config: RunConfig) -> str:
     return "process" if beside and resolve_device(config.training.device).startswith("cuda") else "local"
 
 
+def trained_here(config: RunConfig) -> RunConfig:
+    """`config` with ``training.mode`` local: what a process that runs the update itself (the ``train-step``
+    deployment, the trainer process) trains with, so that nothing in it hands the update on again."""
+    return config.model_copy(update={"training": config.training.model_copy(update={"mode": "local"})})
+
+
 def in_child(config: RunConfig) -> bool:
     """Whether this process hands its updates to a trainer process (``training.mode`` process; with ``training.gpus``
     > 1 the flow's process already starts the ranks as processes of their own, as in local mode)."""

@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     trajflow.propagate = False
     if os.environ.get(PARENT_ENV):
         exit_when_gone(int(os.environ[PARENT_ENV]))
-    config = RunConfig.model_validate_json(args.config_file.read_text())
-    config = config.model_copy(update={"training": config.training.model_copy(update={"mode": "local"})})
+    from tasks.training import trained_here  # torch, prefect: imported once stdout is the protocol's alone
+
+    config = trained_here(RunConfig.model_validate_json(args.config_file.read_text()))
     for line in sys.stdin.buffer:
         request = json.loads(line)
         if request["op"] == "exit":
