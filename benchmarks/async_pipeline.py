@@ -185,11 +185,36 @@ def one_run(args, k: int, seed: int, storage: str, api: PrefectServer) -> dict:
                                     "train/mismatch_kl", "train/clip_fraction", "train/probe_forwards"))
                  or (key.startswith("train/") and key.endswith("_s"))}}
              for s, m in manifests.items()]
-    return {"k": k, "seed": seed, "embedded_process": args.embedded_process,
+    return {"k": k, "seed": seed, "environment": environment(), "embedded_process": args.embedded_process,
             "trainer_process": TRAINER_PROCESS_LINE in proc.stdout + proc.stderr, "wall_s": time.time() - started,
             "steps": steps,
             "steps_per_hour": (args.steps - 1) / (tn - t1) * 3600,
             **gpu.between(t1, tn), "gpu_sampler": gpu.available, "command": " ".join(cmd[1:])}
+
+
+def environment() -> dict:
+    """The machine this process runs on: a run records it, so a report written elsewhere names where it ran."""
+    import torch
+
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def runs_environment(runs: list[dict]) -> dict:
+    """The machine the runs ran on (the latest date among them); this machine's for runs that did not record one.
+
+    Runs from different machines in one report are refused: their steps per hour do not compare.
+    """
+    recorded = [r["environment"] for r in runs if "environment" in r]
+    if not recorded:
+        return environment()
+    machines = {tuple((k, v) for k, v in sorted(e.items()) if k != "date") for e in recorded}
+    if len(machines) > 1 or len(recorded) < len(runs):
+        raise SystemExit("the runs folder mixes runs from different machines (or with and without a recorded "
+                         "machine): one folder per machine")
+    return {**recorded[0], "date": max(e["date"] for e in recorded)}
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -244,17 +269,12 @@ def report(args, runs: list[dict], out: Path) -> dict:
                                                        abs(stats["val_reward"] - per_k[0]["val_reward"]) <= 2 * sd)
     if "async_speedup_k1" in summary:
         summary["target_met_k1"] = summary["async_speedup_k1"] >= 1.5 and summary["val_reward_within_2sd_k1"]
-    import torch
-
     result = {"summary": {k: summary[k] for k in SUMMARY_KEYS if k in summary},
               "details": {k: v for k, v in summary.items() if k not in SUMMARY_KEYS}, "per_k": {str(k): v for k, v in per_k.items()}, "runs": runs,
               "config": {"base": args.config, "groups_per_step": args.groups, "group_size": args.group_size,
                          "steps": args.steps, "eval_every": args.eval_every, "sets": args.set,
                          "embedded_process": summary["embedded_process"]},
-              "environment": {"machine": platform.machine(), "cpus": os.cpu_count(),
-                              "python": platform.python_version(), "torch": torch.__version__,
-                              "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                              "date": time.strftime("%Y-%m-%d")},
+              "environment": runs_environment(runs),
               "command": "python benchmarks/async_pipeline.py " + " ".join(sys.argv[1:])}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".png").write_bytes(_plot(by_k, names))
