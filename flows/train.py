@@ -48,7 +48,6 @@ from tasks.evaluation import evaluate_policy
 from tasks.pipeline import RolloutsAhead
 from tasks.publish import publish_policy
 from tasks.run_config import RunConfig, check_run_identity
-from tasks.scoring import score_groups
 from tasks.sft import check_sft_identity, sft_policy
 from tasks.support.crash_points import crash_point
 from tasks.support.placement import describe as describe_placement
@@ -167,11 +166,11 @@ def _train_steps(config: RunConfig, store, lease: RunLease, with_run_storage, fl
         for step in range(last + 1, config.steps + 1):
             timer = StageTimer(before_stage=lambda stage, step=step: _safe_point(lease, step, stage))
             with timer("sample"):
-                scenarios = ahead.scenarios(step)
+                ahead.scenarios(step)
             with timer("rollouts"):
                 rollouts = ahead.rollouts(step)
             with timer("score"):
-                scored = with_run_storage(score_groups)(config, step, scenarios, rollouts)
+                scored = ahead.scored(step, rollouts)
             with timer("train"):
                 training = with_tag_limits(with_run_storage(train_policy))(config, step)
             with timer("publish"):

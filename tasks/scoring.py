@@ -106,7 +106,7 @@ def score_groups_fn(config: RunConfig, step: int, scenarios: list[Scenario], rol
     return {"path": out, "metrics": metrics}
 
 
-@task(name="score", cache_key_fn=cache_key_fn("scoring"), retries=2, retry_delay_seconds=[5, 30],
-      retry_condition_fn=retry_condition, persist_result=True)
+@task(name="score", task_run_name="score-step-{step}", cache_key_fn=cache_key_fn("scoring"), retries=2,
+      retry_delay_seconds=[5, 30], retry_condition_fn=retry_condition, persist_result=True)
 def score_groups(config: RunConfig, step: int, scenarios: list[Scenario], rollouts: dict[str, Any]) -> dict[str, Any]:
     return score_groups_fn(config, step, scenarios, rollouts)
