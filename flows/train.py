@@ -66,7 +66,11 @@ log = logging.getLogger("trajflow")
 
 class StageTimer:
     """Wall time per stage of a step, reported as time/<stage>_s and time/step_s; `before_stage(stage)` runs as
-    each stage starts (the safe point: a process that lost the run's lease, or got SIGTERM, stops there)."""
+    each stage starts (the safe point: a process that lost the run's lease, or got SIGTERM, stops there).
+
+    With the async pipeline the rollouts and score stages run ahead as submitted tasks, so their time here is the
+    loop's wait for them, not their duration (which the task runs in the Prefect UI show).
+    """
 
     def __init__(self, before_stage=None):
         self.started = time.perf_counter()
