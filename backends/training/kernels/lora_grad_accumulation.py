@@ -1,0 +1,55 @@
+"""The LoRA weight gradients added straight into the fp32 masters' ``.grad``, the add in the product's epilogue.
+
+In ``fused_lora``'s notation (products in the compute dtype c, masters A and B in float32, scaling s):
+
+    A.grad += gz^T x,     B.grad += s * (g^T z)
+
+Returned to autograd, each micro-batch costs per LoRA module: the two products in c, their two casts to float32, the
+scaling of B's (a third small kernel), and from the second micro-batch on autograd's two adds into ``.grad``: two
+GEMMs and five small kernels. ``accumulate`` makes each ONE ``addmm`` into ``.grad`` (beta 1, alpha s):
+
+1. c is the masters' dtype (float32 on the CPU): ``grad.addmm_(m1, m2, alpha=s)``;
+2. torch can write a float32 result of c operands (``addmm(..., out_dtype=float32)``, bf16/fp16 on CUDA;
+   ``fp32_out_supported`` tries it once per device type and dtype): ``addmm(grad, m1, m2, out_dtype=float32,
+   alpha=s, out=grad)``, the product accumulated and kept in float32 (no rounding to c on the way: at least as
+   exact as the autograd path, which rounds it to c first);
+3. otherwise (bf16 on the CPU, a torch without it): one product in c and one ``add_`` of it, cast and scaled in the
+   add (two kernels instead of five).
+
+The ops then return no gradient for A and B, so autograd adds nothing. ``.grad`` is made as float32 zeros the first
+time (one fill per parameter and step). Simplification: hooks on those parameters' gradients
+(``Tensor.register_hook``, ``register_post_accumulate_grad_hook``) do not fire; nothing in trajflow registers one
+(data-parallel reads ``.grad`` after the micro-batches, ``distributed.all_reduce_step``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def fp32_out_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, m1, m2, out_dtype=float32, out=acc)`` runs for ``dtype`` operands on this device
+    type (tried once on 2x2 zeros)."""
+    try:
+        m = torch.zeros(2, 2, dtype=dtype, device=device_type)
+        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, m, m, out_dtype=torch.float32, out=acc)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def accumulate(param: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha: float = 1.0) -> None:
+    """``param.grad += alpha * mat1 @ mat2`` in ``param``'s dtype, ``.grad`` made as zeros where there is none."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    grad = param.grad
+    if mat1.dtype == grad.dtype:
+        grad.addmm_(mat1, mat2, alpha=alpha)
+    elif fp32_out_supported(mat1.device.type, mat1.dtype) and grad.dtype == torch.float32:
+        torch.addmm(grad, mat1, mat2, out_dtype=torch.float32, alpha=alpha, out=grad)
+    else:
+        grad.add_(mat1 @ mat2, alpha=alpha)
