@@ -56,7 +56,7 @@ from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import LossResult, assign_aggregation_weights, policy_loss
 from backends.training.attention_choice import AttentionChoice
 from backends.training.packed_attention import (PackedAttention, build_row_plans, install_varlen_attention,
-                                               packed_forward)
+                                               packed_forward, prepared_mask)
 from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
@@ -279,6 +279,7 @@ class GRPOTrainer:
         packing = contextlib.nullcontext()
         if self.packed:
             kwargs["trajflow_packed"] = self._packed_attention(mb)
+            kwargs["attention_mask"] = prepared_mask(self.device)
             packing = packed_forward()
         with packing, self._autocast():
             out = decoder(**kwargs)
