@@ -132,3 +132,23 @@ def test_a_steps_device_reads_do_not_grow_with_its_micro_batches(tiny_model_path
     assert one == 1 and many >= 3
     assert totals[one] == totals[many]
     assert totals[many] == {"tolist": 1, "_local_scalar_dense": 1}  # the metrics, all at once; the gradient norm
+
+
+def test_a_micro_batch_reaches_the_device_in_two_copies(monkeypatch):
+    """Its integers and its floats, each one tensor (pinned and copied without waiting on CUDA); every field a slice."""
+    from backends.training import packing
+    from backends.training.token_rows import TrainingRow
+
+    copies = []
+    monkeypatch.setattr(packing, "to_device", lambda host, device: copies.append(host.dtype) or host.to(device))
+    rows = [TrainingRow([1, 2, 3, 4], [False, True, False, True], [0.0, -0.5, 0.0, -0.25], advantage=1.5, weight=0.1),
+            TrainingRow([5, 6, 7], [False, False, True], [0.0, 0.0, -1.0], advantage=-1.0, weight=0.2)]
+    mb = packing.make_micro_batch(rows, "cpu")
+    assert copies == [torch.long, torch.float32]
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]] and mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert mb.pred_index.tolist() == [0, 2, 5] and mb.targets.tolist() == [2, 4, 7]
+    assert mb.row_index.tolist() == [0, 0, 1]
+    assert mb.sampler_logprobs.tolist() == [-0.5, -0.25, -1.0] and mb.advantages.tolist() == [1.5, 1.5, -1.0]
+    assert mb.weights.tolist() == pytest.approx([0.1, 0.1, 0.2])
+    assert mb.spans.lengths == (4, 3) and mb.spans.max_len == 4
+    assert mb.spans.cu_seqlens.dtype == torch.int32 and mb.spans.cu_seqlens.tolist() == [0, 4, 7]
