@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.training.config import TrainerConfig
 from backends.training.trainer import GRPOTrainer
-from tests.fixtures_trainer import synthetic_group
+from tests.fixtures_trainer import step_rows, synthetic_group
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -95,8 +95,7 @@ CONFIGS = {
 def test_no_sync_inside_a_micro_batch(tiny_model_path, config):
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(micro_batch_tokens=8, **CONFIGS[config]))
     trainer.train_step(GROUPS)  # first-call work (lazy imports, one-off probes) out of the way
-    rows_step = trainer.micro_batches
-    batches = rows_step(_rows())
+    batches = trainer.micro_batches(step_rows(GROUPS))
     eps, eps_high = trainer.config.clip_range()
     with trainer._lora_casts_scope():
         trainer.model.train()
@@ -105,15 +104,6 @@ def test_no_sync_inside_a_micro_batch(tiny_model_path, config):
                 trainer._micro_batch_step(mb, eps, eps_high)
             assert syncs.total == 0, dict(syncs.counts)
     trainer.optimizer.zero_grad(set_to_none=True)
-
-
-def _rows():
-    from backends.training.losses import assign_aggregation_weights
-    from backends.training.token_rows import build_rows
-
-    rows, _ = build_rows(GROUPS, max_row_tokens=64, overlong="drop", scale_rewards=True)
-    assign_aggregation_weights(rows, "sequence_mean")
-    return rows
 
 
 def test_a_steps_device_reads_do_not_grow_with_its_micro_batches(tiny_model_path):

@@ -8,11 +8,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.training.config import TrainerConfig
-from backends.training.kernels.fused_lora import LoraRuntime, lora_linear
+from backends.training.kernels.fused_lora import LoraParts, LoraRuntime, lora_linear
 from backends.training.kernels.lean_ops import lora_swiglu
-from backends.training.kernels.fused_lora import LoraParts
 from backends.training.trainer import GRPOTrainer
-from tests.fixtures_trainer import assert_same_gradients, record_gradients, synthetic_group
+from tests.fixtures_trainer import assert_same_gradients, record_gradients, step_rows, synthetic_group
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -96,7 +95,7 @@ def test_trainer_gradients_accumulated_both_ways_agree(tiny_model_path, dtype):
 
 def _micro_batch_ops(trainer) -> collections.Counter:
     """aten ops of one micro-batch's forward + backward after the step's first (the cache filled, .grad made)."""
-    batches = trainer.micro_batches(GROUPS_ROWS(trainer))
+    batches = trainer.micro_batches(step_rows(GROUPS))
     with trainer._lora_casts_scope():
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer._micro_batch_step(batches[0], 0.2, 0.2)
@@ -104,15 +103,6 @@ def _micro_batch_ops(trainer) -> collections.Counter:
             trainer._micro_batch_step(batches[0], 0.2, 0.2)
     trainer.optimizer.zero_grad(set_to_none=True)
     return ops.counts
-
-
-def GROUPS_ROWS(trainer):  # noqa: N802 - the rows of GROUPS, as a step builds them
-    from backends.training.losses import assign_aggregation_weights
-    from backends.training.token_rows import build_rows
-
-    rows, _ = build_rows(GROUPS, max_row_tokens=64, overlong="drop", scale_rewards=True)
-    assign_aggregation_weights(rows, "sequence_mean")
-    return rows
 
 
 def test_each_switch_removes_its_kernels_per_micro_batch(tiny_model_path):
