@@ -187,7 +187,7 @@ class GRPOTrainer:
         self._choose_attention(config)
         on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
         fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
-        # the fused ops' cast copies, reused inside a step's scope (_lora_casts_scope) only
+        # the fused ops' cast copies, reused inside a step's scope (lora_casts_scope) only
         self.lora_casts = CastCache()
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda))
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
@@ -301,9 +301,9 @@ class GRPOTrainer:
         return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, temperature,
                                 compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
 
-    def _lora_casts_scope(self):
+    def lora_casts_scope(self):
         """Where the fused LoRA ops reuse their weights' compute-dtype copies (``cache_lora_casts``): one step's
-        forwards, between two optimizer steps."""
+        forwards, between two optimizer steps (also ``sft.py``'s steps); no optimizer step may run inside."""
         if self.fused_lora_layers and self.config.enabled("cache_lora_casts", self.device.type == "cuda"):
             return self.lora_casts.scope()
         return contextlib.nullcontext()
@@ -401,7 +401,7 @@ class GRPOTrainer:
         batches = self._micro_batches(rows_here)
         eps, eps_high = cfg.clip_range()
         acc = _StepStats()
-        with self._lora_casts_scope():
+        with self.lora_casts_scope():
             if cfg.kl_coef > 0:
                 metrics["kl_policy_ref"] = self._shape_advantages(batches)
             self.model.train()

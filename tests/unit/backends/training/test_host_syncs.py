@@ -97,7 +97,7 @@ def test_no_sync_inside_a_micro_batch(tiny_model_path, config):
     trainer.train_step(GROUPS)  # first-call work (lazy imports, one-off probes) out of the way
     batches = trainer.micro_batches(step_rows(GROUPS))
     eps, eps_high = trainer.config.clip_range()
-    with trainer._lora_casts_scope():
+    with trainer.lora_casts_scope():
         trainer.model.train()
         for mb in batches:
             with SyncCounter() as syncs:

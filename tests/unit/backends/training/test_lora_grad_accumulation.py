@@ -96,7 +96,7 @@ def test_trainer_gradients_accumulated_both_ways_agree(tiny_model_path, dtype):
 def _micro_batch_ops(trainer) -> collections.Counter:
     """aten ops of one micro-batch's forward + backward after the step's first (the cache filled, .grad made)."""
     batches = trainer.micro_batches(step_rows(GROUPS))
-    with trainer._lora_casts_scope():
+    with trainer.lora_casts_scope():
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer._micro_batch_step(batches[0], 0.2, 0.2)
         with OpCounts() as ops:
