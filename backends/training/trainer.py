@@ -11,7 +11,8 @@ One ``train_step(groups)`` call is exactly one optimizer step:
 4. optional KL shaping: a no-grad pass with the adapter on and one with it off (peft's
    ``disable_adapter()``: the base model is the reference, no second copy in memory);
 5. per micro-batch: decoder hidden states, chunked logprobs of the trained tokens only, the loss,
-   backward (gradients accumulate);
+   backward (gradients accumulate); nothing waits for the device until the last micro-batch is launched, when
+   every micro-batch's metrics are read in one transfer (tests/unit/backends/training/test_host_syncs.py);
 6. gradient norm (clipped), AdamW step, LR schedule step.
 
 Data-parallel (a rank of a torchrun job, ``backends/training/distributed.py``): steps 1-2 see every row, step 3
@@ -23,7 +24,9 @@ the optimizer state are float32; the base model is bf16 on CUDA (under autocast)
 shared with an engine of the same process (``backends.modeling.shared_weights``).
 On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
 ops with compiled elementwise kernels, and the logprob chunk math is compiled
-(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``).
+(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
+of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
+(``cache_lora_casts``, ``accumulate_lora_grads``).
 """
 
 from __future__ import annotations

@@ -42,10 +42,6 @@ class CastCache:
         self._open = False
         self.fills = self.hits = 0
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     @contextlib.contextmanager
     def scope(self):
         """Reuse copies inside the block; none survive it."""

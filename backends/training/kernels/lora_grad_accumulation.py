@@ -31,12 +31,12 @@ import torch
 
 @functools.cache
 def fp32_out_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, m1, m2, out_dtype=float32, out=acc)`` runs for ``dtype`` operands on this device
-    type (tried once on 2x2 zeros)."""
+    """Whether ``torch.addmm(acc, m1, m2, out_dtype=float32, alpha=s, out=acc)`` runs for ``dtype`` operands on this
+    device type, tried once on zeros laid out as the ops' calls are (m1 a transposed view, m2 contiguous)."""
     try:
-        m = torch.zeros(2, 2, dtype=dtype, device=device_type)
+        m = torch.zeros(3, 2, dtype=dtype, device=device_type)
         acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.addmm(acc, m, m, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, m.t(), m, out_dtype=torch.float32, alpha=0.5, out=acc)
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
