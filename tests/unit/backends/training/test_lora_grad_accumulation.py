@@ -123,3 +123,19 @@ def test_each_switch_removes_its_kernels_per_micro_batch(tiny_model_path):
     assert cached["add_"] + cached["add"] - (both["add_"] + both["add"]) == 0
     assert cached["mm"] == both["mm"]
     assert sum(base.values()) - sum(both.values()) == 3 * modules + 3 * modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_grad_ignores_its_uninitialised_memory(monkeypatch, dtype):
+    """The first micro-batch's .grad is allocated, not zeroed: beta 0 (or the zero fill of the fallback) must leave no
+    trace of what the memory held."""
+    from backends.training.kernels import lora_grad_accumulation as acc
+
+    monkeypatch.setattr(acc.torch, "empty_like", lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    g = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(torch.zeros(3, 5))
+    m1, m2 = torch.randn(7, 3, generator=g).to(dtype), torch.randn(7, 5, generator=g).to(dtype)
+    acc.accumulate(p, m1.t(), m2, alpha=0.5)
+    acc.accumulate(p, m1.t(), m2, alpha=0.5)
+    want = m1.t().float() @ m2.float()
+    assert p.grad.dtype == torch.float32 and torch.allclose(p.grad, want, rtol=1e-2, atol=1e-2)
