@@ -92,3 +92,17 @@ def test_cached_copies_give_the_same_step_as_casting_per_micro_batch(tiny_model_
     for got, want in zip(runs["on"][2], runs["off"][2]):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert [m["loss"] for m in runs["on"][1]] == [m["loss"] for m in runs["off"][1]]
+
+
+def test_the_cache_switch_changes_on_a_live_trainer_and_acts_only_with_fused_lora(tiny_model_path):
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**FUSED))
+    trainer.train_step(GROUPS)
+    assert trainer.lora_casts.fills == 14
+    trainer.update_config(cache_lora_casts="off")
+    trainer.train_step(GROUPS)
+    assert trainer.lora_casts.fills == 14  # off from the next step: every call casts
+    with pytest.raises(ValueError, match="accumulate_lora_grads"):  # baked into the patched modules
+        trainer.update_config(accumulate_lora_grads="off")
+    unfused = TrainerConfig(cache_lora_casts="on", accumulate_lora_grads="on")  # CPU: fused_lora 'auto' is off
+    assert not unfused.enabled("cache_lora_casts", False) and not unfused.enabled("accumulate_lora_grads", False)
+    assert TrainerConfig().enabled("cache_lora_casts", True) and TrainerConfig().enabled("accumulate_lora_grads", True)
