@@ -36,6 +36,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
         --out $OUT/training-fresh-auto-h200.json
 
+    # the LoRA projections' per-micro-batch work: now (defaults) against before (casts and autograd's grads per
+    # micro-batch), each profiled at step 5 (syncs, launches, op counts, device time in the summary's ``profiled``)
+    RUNS=defaults+warm-up:cold-cache,lora-per-micro-batch+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 8 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
+        --out $OUT/training-fresh-loragrad-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -68,7 +74,34 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # 'auto' is chosen per micro-batch (cuDNN rows where every row is long, else varlen): these are its two sides
     "varlen+warm-up": {"attention_kernel": "varlen"},  # the 'auto' before the per-micro-batch choice
     "cudnn-mb24k+warm-up": {"attention_kernel": "cudnn", "micro_batch_tokens": 24576},  # over --micro-batch-tokens
+    # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
+    # (both on by default on CUDA), together and one at a time
+    "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
+    "no-cast-cache+warm-up": {"cache_lora_casts": "off"},
+    "autograd-lora-grads+warm-up": {"accumulate_lora_grads": "off"},
 }
+
+# aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)
+COUNTED_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::copy_", "aten::_to_copy", "aten::mul", "aten::mul_",
+               "aten::add_", "aten::add")
+
+
+def profile_counts(events) -> dict:
+    """What a profiled step launched and waited for, from its ``key_averages()``: calls of each CUDA runtime
+    synchronisation (``cudaStreamSynchronize`` is what ``.item()``, ``.tolist()`` and a pageable host-to-device copy
+    wait in), kernel launches, the counts of ``COUNTED_OPS``, and the device time summed over every event (kernels,
+    copies and fills, each counted once as self time)."""
+    calls = {e.key: e.count for e in events}
+    device_us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+                    for e in events)
+    return {
+        "stream_syncs": calls.get("cudaStreamSynchronize", 0),
+        "syncs": {k: v for k, v in calls.items() if k.startswith("cu") and "Synchronize" in k},
+        "kernel_launches": sum(v for k, v in calls.items() if k.startswith("cu") and "LaunchKernel" in k),
+        "memcpy_calls": sum(v for k, v in calls.items() if k.startswith("cu") and "Memcpy" in k),
+        "ops": {k: calls[k] for k in COUNTED_OPS if k in calls},
+        "device_time_s": round(device_us / 1e6, 4),
+    }
 
 
 def lora_aware_flops(n_params: int, lora_params: int, shape: dict, row_lengths: list[int]) -> float:
@@ -161,6 +194,7 @@ def child(args) -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
             table = prof.key_averages()
+            rec["profile_counts"] = profile_counts(table)
             rec["profile_by_cpu"] = table.table(sort_by="self_cpu_time_total", row_limit=25)
             if cuda:
                 rec["profile_by_cuda"] = table.table(sort_by="self_cuda_time_total", row_limit=25)
@@ -207,6 +241,8 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "mfu_lora_aware_percent": round(100 * flops / (PEAK_TFLOPS * 1e12), 1),
         "step_wall_s": [round(x["wall_s"], 2) for x in s],
         "steady_steps": [s.index(x) for x in window],
+        # per profiled step: syncs, launches, op counts and summed device time (profile_counts)
+        "profiled": {x["step"]: x["profile_counts"] for x in s if "profile_counts" in x},
     }
 
 

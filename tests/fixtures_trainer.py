@@ -75,6 +75,16 @@ def synthetic_group(rewards, prompt=(5, 6, 7), completion_len: int = 3, scenario
     return TrajectoryGroup(trajs, scenario_id=scenario_id)
 
 
+def step_rows(groups, max_row_tokens: int = 64) -> list:
+    """The training rows a step builds from ``groups``, with sequence-mean weights (to run micro-batches by hand)."""
+    from backends.training.losses import assign_aggregation_weights
+    from backends.training.token_rows import build_rows
+
+    rows, _ = build_rows(groups, max_row_tokens=max_row_tokens, overlong="drop", scale_rewards=True)
+    assign_aggregation_weights(rows, "sequence_mean")
+    return rows
+
+
 def record_gradients(trainer) -> list[dict[str, torch.Tensor]]:
     """The LoRA gradients, by parameter name, of each optimizer step the trainer takes from now on (as the
     optimizer sees them: accumulated over micro-batches, after clipping)."""

@@ -188,6 +188,23 @@ class TrainerConfig(BaseModel):
         "backend only. 'auto': on for CUDA, off on CPU (keeps CPU numerics identical to peft's). H200, 1.5B, "
         "16k-token micro-batches, no checkpointing: 35.7k vs 33.0k tokens/s (benchmarks/results/training-h200.md).",
     )
+    cache_lora_casts: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="With fused_lora: make the compute-dtype copies of each LoRA A and `s*B` once per optimizer step "
+        "(at the step's first micro-batch) instead of at every micro-batch (backends/training/kernels/"
+        "lora_cast_cache.py: 3 small kernels per LoRA module and micro-batch less, for one bf16 copy of the adapter "
+        "held during the step). Copies are keyed by the parameters' version counters and dropped at the end of "
+        "the step, so a changed weight is never read stale. 'auto': on wherever fused_lora is.",
+    )
+    accumulate_lora_grads: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="With fused_lora: add each micro-batch's LoRA weight gradients straight into the float32 "
+        ".grad in the matrix product's epilogue (addmm with a float32 output where torch has it, CUDA bf16) "
+        "instead of returning bf16 products that are cast, scaled and added by autograd "
+        "(backends/training/kernels/lora_grad_accumulation.py: per LoRA module and micro-batch 2 GEMMs instead "
+        "of 2 GEMMs + 5 small kernels; the product is no longer rounded to bf16 before the sum). Gradient hooks "
+        "on the LoRA parameters do not fire. 'auto': on wherever fused_lora is.",
+    )
     compile_logprobs: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
@@ -273,7 +290,11 @@ class TrainerConfig(BaseModel):
     # Baked into a live trainer when it is built (the model's dtype and loader, checkpointed layers, swapped modules):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
-        "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora")
+        "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
+        "accumulate_lora_grads")
+
+    # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
+    FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
 
     @classmethod
     def identity_changes(cls, stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -297,8 +318,11 @@ class TrainerConfig(BaseModel):
         return self
 
     def enabled(self, switch: str, on_cuda: bool) -> bool:
-        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA."""
+        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
+        switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it."""
         mode = getattr(self, switch)
+        if switch in self.FUSED_LORA_SWITCHES:
+            return self.enabled("fused_lora", on_cuda) and mode != "off"
         return mode == "on" or (mode == "auto" and on_cuda)
 
     def micro_batch_budget(self, on_cuda: bool) -> int:

@@ -76,9 +76,13 @@ def ppo_loss(logp, old, adv, eps, eps_high):
     return -torch.minimum(unclipped, clipped_obj), ratio.detach(), clipped
 
 
-def gspo_loss(logp, old, adv, row_index, eps, eps_high):
-    """GSPO-token: s_i = exp(mean_row(logp - old)), s_it = sg(s_i)*exp(logp - sg(logp)), PPO clip on s_it."""
-    n_rows = int(row_index.max()) + 1 if row_index.numel() else 0
+def gspo_loss(logp, old, adv, row_index, eps, eps_high, n_rows: int | None = None):
+    """GSPO-token: s_i = exp(mean_row(logp - old)), s_it = sg(s_i)*exp(logp - sg(logp)), PPO clip on s_it.
+
+    ``n_rows``: the number of rows (``row_index`` < n_rows); None reads it from ``row_index``, a host sync that a
+    caller knowing it (the trainer: its micro-batch's rows) avoids."""
+    if n_rows is None:
+        n_rows = int(row_index.max()) + 1 if row_index.numel() else 0
     delta = (logp - old).detach().double()
     sums = torch.zeros(n_rows, dtype=torch.float64, device=logp.device).index_add_(0, row_index, delta)
     counts = torch.zeros(n_rows, dtype=torch.float64, device=logp.device).index_add_(
@@ -107,6 +111,11 @@ class LossResult:
     def __init__(self, loss: torch.Tensor, tokens: int, stats: torch.Tensor):
         self.loss, self.tokens, self._stats, self._values = loss, tokens, stats, None
 
+    @property
+    def stats(self) -> torch.Tensor:
+        """The metric sums, in ``NAMES`` order, on the device (to read many micro-batches' at once)."""
+        return self._stats
+
     def __getattr__(self, name: str) -> float:
         if name in LossResult.NAMES:
             if self._values is None:
@@ -126,8 +135,10 @@ def policy_loss(
     eps: float = 1.0,
     eps_high: float = 4.0,
     tis_cap: float | None = None,
+    n_rows: int | None = None,
 ) -> LossResult:
-    """The weighted objective over one micro-batch's trained tokens (all 1-D tensors of equal length)."""
+    """The weighted objective over one micro-batch's trained tokens (all 1-D tensors of equal length); ``n_rows``:
+    how many rows ``row_index`` counts (GSPO; None: read from the device)."""
     logp32 = logp.float()
     sampler = sampler_logp.float()
     log_mismatch = logp32.detach() - sampler
@@ -142,7 +153,7 @@ def policy_loss(
     elif loss == "ppo":
         per_token, ratio, clipped = ppo_loss(logp32, old, adv, eps, eps_high)
     elif loss == "gspo":
-        per_token, ratio, clipped = gspo_loss(logp32, old, adv, row_index, eps, eps_high)
+        per_token, ratio, clipped = gspo_loss(logp32, old, adv, row_index, eps, eps_high, n_rows)
     else:
         raise ValueError(f"unknown loss {loss!r}")
     total = (per_token * tis_w * weights).sum()

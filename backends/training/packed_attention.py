@@ -269,6 +269,16 @@ def build_row_plans(module, lengths: Sequence[int], sdpa_order: list | None, buc
     return len(lengths)
 
 
+def prepared_mask(device) -> torch.Tensor:
+    """The ``attention_mask`` of a packed decoder call: an empty 4-D tensor, which transformers takes as a mask
+    already prepared and passes to the attention untouched (the packed attention ignores it: the spans are the mask).
+
+    Why not None: with no mask and position ids given, transformers' mask preparation looks for packed rows in the
+    position ids on the device (``masking_utils.find_packed_sequence_indices``: an ``.all()`` read back), a host sync
+    at the start of every micro-batch's forward, which waits for the previous micro-batch's backward."""
+    return torch.empty(0, 0, 0, 0, device=device)
+
+
 def _varlen_mask(*args, **kwargs):
     """No mask is built for a packed forward (the spans are the mask); otherwise SDPA's mask."""
     if _PACKED_FORWARD.get():

@@ -114,11 +114,12 @@ def _step(trainer, optimizer, rows: list[TrainingRow], budget: int | None) -> tu
     optimizer.zero_grad(set_to_none=True)
     trainer.model.train()
     total = torch.zeros((), device=trainer.device)
-    for mb in trainer.micro_batches(rows, budget):
-        logp = trainer.token_logprobs(mb, temperature=1.0)
-        loss = -(logp * mb.weights).sum()
-        loss.backward()
-        total += loss.detach()
+    with trainer.lora_casts_scope():  # the LoRA weights' compute copies made once for the step's micro-batches
+        for mb in trainer.micro_batches(rows, budget):
+            logp = trainer.token_logprobs(mb, temperature=1.0)
+            loss = -(logp * mb.weights).sum()
+            loss.backward()
+            total += loss.detach()
     loss = float(total)
     params = trainer.trainable_parameters
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, trainer.config.grad_clip or math.inf))

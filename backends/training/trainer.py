@@ -11,7 +11,8 @@ One ``train_step(groups)`` call is exactly one optimizer step:
 4. optional KL shaping: a no-grad pass with the adapter on and one with it off (peft's
    ``disable_adapter()``: the base model is the reference, no second copy in memory);
 5. per micro-batch: decoder hidden states, chunked logprobs of the trained tokens only, the loss,
-   backward (gradients accumulate);
+   backward (gradients accumulate); nothing waits for the device until the last micro-batch is launched, when
+   every micro-batch's metrics are read in one transfer (tests/unit/backends/training/test_host_syncs.py);
 6. gradient norm (clipped), AdamW step, LR schedule step.
 
 Data-parallel (a rank of a torchrun job, ``backends/training/distributed.py``): steps 1-2 see every row, step 3
@@ -23,7 +24,9 @@ the optimizer state are float32; the base model is bf16 on CUDA (under autocast)
 shared with an engine of the same process (``backends.modeling.shared_weights``).
 On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP and RMSNorm as lean
 ops with compiled elementwise kernels, and the logprob chunk math is compiled
-(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``).
+(``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
+of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
+(``cache_lora_casts``, ``accumulate_lora_grads``).
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ from backends.training.checkpoint import check_compatible, read_checkpoint, rest
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
-from backends.training.kernels.fused_lora import patch_lora
+from backends.training.kernels.fused_lora import LoraRuntime, patch_lora
+from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
-from backends.training.losses import assign_aggregation_weights, policy_loss
+from backends.training.losses import LossResult, assign_aggregation_weights, policy_loss
 from backends.training.attention_choice import AttentionChoice
 from backends.training.packed_attention import (PackedAttention, build_row_plans, install_varlen_attention,
-                                               packed_forward)
+                                               packed_forward, prepared_mask)
 from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
@@ -92,17 +96,29 @@ class _StepStats:
         self.ratio_min, self.ratio_max = math.inf, -math.inf
         self.micro_batches = 0
 
-    def add(self, res, entropy_sum: torch.Tensor) -> None:
-        self.loss += float(res.loss.detach())
-        self.tokens += res.tokens
-        self.clipped += res.clipped
-        self.ratio_sum += res.ratio_sum
-        self.ratio_min = min(self.ratio_min, res.ratio_min)
-        self.ratio_max = max(self.ratio_max, res.ratio_max)
-        self.k3 += res.mismatch_k3_sum
-        self.absdiff += res.mismatch_abs_sum
-        self.tis += res.tis_weight_sum
-        self.entropy += float(entropy_sum)
+    @staticmethod
+    def read(done) -> list[dict[str, float]]:
+        """Each micro-batch's loss, entropy sum and ``LossResult`` sums (``done``: (res, entropy_sum) pairs), read
+        from the device in ONE transfer for the whole step."""
+        if not done:  # data-parallel: a rank with no rows this step
+            return []
+        names = ("loss", "entropy", *LossResult.NAMES)
+        rows = torch.stack([torch.cat([res.loss.detach().float().reshape(1), entropy_sum.float().reshape(1),
+                                       res.stats.float()]) for res, entropy_sum in done]).tolist()
+        return [dict(zip(names, row)) for row in rows]
+
+    def add(self, values: dict[str, float], tokens: int) -> None:
+        """One micro-batch's values (``read``) and trained-token count."""
+        self.loss += values["loss"]
+        self.tokens += tokens
+        self.clipped += values["clipped"]
+        self.ratio_sum += values["ratio_sum"]
+        self.ratio_min = min(self.ratio_min, values["ratio_min"])
+        self.ratio_max = max(self.ratio_max, values["ratio_max"])
+        self.k3 += values["mismatch_k3_sum"]
+        self.absdiff += values["mismatch_abs_sum"]
+        self.tis += values["tis_weight_sum"]
+        self.entropy += values["entropy"]
         self.micro_batches += 1
 
     def all_reduce(self, params) -> None:
@@ -174,8 +190,12 @@ class GRPOTrainer:
         self._choose_attention(config)
         on_cuda, peft_path = self.device.type == "cuda", self.backend == "peft"
         fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
-        self.patched_ops = patch_model(self._lm, compile=on_cuda, fuse_lora=fused) if lean and peft_path else {}
-        self.fused_lora_layers = patch_lora(self.model) if fused and peft_path else 0
+        # the fused ops' cast copies, reused inside a step's scope (lora_casts_scope) only
+        self.lora_casts = CastCache()
+        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda))
+        self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
+                            if lean and peft_path else {})
+        self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):
@@ -262,6 +282,7 @@ class GRPOTrainer:
         packing = contextlib.nullcontext()
         if self.packed:
             kwargs["trajflow_packed"] = self._packed_attention(mb)
+            kwargs["attention_mask"] = prepared_mask(self.device)
             packing = packed_forward()
         with packing, self._autocast():
             out = decoder(**kwargs)
@@ -282,6 +303,23 @@ class GRPOTrainer:
         temperature = self.config.temperature if temperature is None else temperature
         return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, temperature,
                                 compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
+
+    def lora_casts_scope(self):
+        """Where the fused LoRA ops reuse their weights' compute-dtype copies (``cache_lora_casts``): one step's
+        forwards, between two optimizer steps (also ``sft.py``'s steps); no optimizer step may run inside."""
+        if self.fused_lora_layers and self.config.enabled("cache_lora_casts", self.device.type == "cuda"):
+            return self.lora_casts.scope()
+        return contextlib.nullcontext()
+
+    def _micro_batch_step(self, mb: MicroBatch, eps: float, eps_high: float):
+        """Forward, loss and backward of one micro-batch, gradients accumulating; returns (LossResult, entropy sum),
+        both still on the device: nothing here waits for the GPU (tests/unit/backends/training/test_host_syncs.py)."""
+        cfg = self.config
+        logp, entropy = self._token_logprobs(mb)
+        res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
+                          loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap, n_rows=len(mb.rows))
+        res.loss.backward()
+        return res, entropy.sum()
 
     def _check_vocabulary(self, rows: Sequence[TrainingRow]) -> None:
         for r in rows:
@@ -364,22 +402,18 @@ class GRPOTrainer:
         else:
             rows_here = rows
         batches = self._micro_batches(rows_here)
-        if cfg.kl_coef > 0:
-            metrics["kl_policy_ref"] = self._shape_advantages(batches)
         eps, eps_high = cfg.clip_range()
         acc = _StepStats()
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        done = []
-        for mb in batches:
-            logp, entropy = self._token_logprobs(mb)
-            res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
-                              loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap)
-            res.loss.backward()
-            done.append((mb, res, entropy.sum()))  # read after the loop: no host sync between micro-batches
-        bad = next((mb for mb, res, _ in done if not math.isfinite(float(res.loss.detach()))), None)
-        for mb, res, entropy_sum in done:
-            acc.add(res, entropy_sum)
+        with self.lora_casts_scope():
+            if cfg.kl_coef > 0:
+                metrics["kl_policy_ref"] = self._shape_advantages(batches)
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            done = [self._micro_batch_step(mb, eps, eps_high) for mb in batches]
+        values = _StepStats.read(done)  # after the loop, once: no host sync between micro-batches
+        bad = next((mb for mb, v in zip(batches, values) if not math.isfinite(v["loss"])), None)
+        for (res, _), v in zip(done, values):
+            acc.add(v, res.tokens)
         if world_size > 1:
             acc.all_reduce(self._params)
         if not math.isfinite(acc.loss):

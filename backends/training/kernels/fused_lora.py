@@ -14,6 +14,10 @@ differs from peft's only by rounding (s is applied to B before the cast instead 
 Applied only where it is exact in form: one active plain LoRA adapter (no DoRA or other variant), no
 dropout, not merged, adapters enabled, frozen base weight and bias; anything else calls peft.
 ``lora_forward`` / ``lora_backward`` are the two halves, also used by the fused SwiGLU MLP.
+
+Two per-micro-batch costs around the products are optional (``LoraRuntime``, shared by every patched module):
+A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL/dB added straight into the fp32
+masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import types
 from dataclasses import dataclass
 
 import torch
+
+from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
+from backends.training.kernels.lora_grad_accumulation import accumulate
 
 
 @dataclass
@@ -35,10 +42,23 @@ class LoraParts:
     scaling: float
 
 
-def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype):
-    """(W_c, b_c, A_c, (sB)_c) in the compute dtype."""
-    return (weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype),
-            (lora_b * scaling).to(dtype))
+@dataclass(frozen=True)
+class LoraRuntime:
+    """What the fused ops of one trainer share: ``casts``, the cache of A_c and (sB)_c (None: made per call), and
+    ``grads_into_masters``: dL/dA and dL/dB added into the masters' ``.grad`` by the op itself (False: returned to
+    autograd)."""
+
+    casts: CastCache | None = None
+    grads_into_masters: bool = False
+
+
+PLAIN = LoraRuntime()
+
+
+def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype, casts: CastCache | None = None):
+    """(W_c, b_c, A_c, (sB)_c) in the compute dtype, A_c and (sB)_c through ``casts`` where given."""
+    return (weight.to(dtype), None if bias is None else bias.to(dtype),
+            *lora_casts(casts, lora_a, lora_b, scaling, dtype))
 
 
 def lora_forward(x2, w, bias, a, sb):
@@ -55,44 +75,58 @@ def lora_input_grad(g, gz, w, a, into=None):
     return grad_x.addmm_(gz, a)
 
 
-def lora_param_grads(g, gz, x2, z, scaling: float, param_dtypes):
-    """(dL/dA, dL/dB) = (gz^T x, s g^T z), in the master parameters' dtypes."""
-    return (gz.t() @ x2).to(param_dtypes[0]), (g.t() @ z).to(param_dtypes[1]).mul_(scaling)
+def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool = False, needs=(True, True)):
+    """(dL/dA, dL/dB) = (gz^T x, s g^T z) in the master parameters' dtypes; with ``into_masters`` added into
+    ``masters``' ``.grad`` instead (``lora_grad_accumulation``) and (None, None) returned. ``needs``: which of the
+    two are wanted (a frozen master gets None)."""
+    a, b = masters
+    if into_masters:
+        if needs[0]:
+            accumulate(a, gz.t(), x2)
+        if needs[1]:
+            accumulate(b, g.t(), z, alpha=scaling)
+        return None, None
+    return ((gz.t() @ x2).to(a.dtype) if needs[0] else None,
+            (g.t() @ z).to(b.dtype).mul_(scaling) if needs[1] else None)
 
 
-def lora_backward(g, x2, w, a, sb, z, scaling: float, param_dtypes, need_x: bool = True):
-    """(dL/dx, dL/dA, dL/dB) given dL/dy = g."""
+def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
+                  needs=(True, True)):
+    """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``)."""
     gz = g @ sb
     grad_x = lora_input_grad(g, gz, w, a) if need_x else None
-    return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, param_dtypes))
+    return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype)
+            w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
             y, z = lora_forward(x2, w, b, a, sb)
         ctx.save_for_backward(x2, w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
-        ctx.param_dtypes = (lora_a.dtype, lora_b.dtype)
+        # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
+        ctx.masters, ctx.into_masters = (lora_a, lora_b), runtime.grads_into_masters
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x2, w, a, sb, z = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
-        grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.param_dtypes,
-                                               need_x=ctx.needs_input_grad[0])
+        grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
+                                               need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
+                                               needs=ctx.needs_input_grad[3:5])
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, grad_a, grad_b, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None):
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None,
+                runtime: LoraRuntime = PLAIN):
     """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's)."""
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype)
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime)
 
 
 def fusable_parts(layer) -> LoraParts | None:
@@ -127,16 +161,17 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     if parts is None:
         return self._trajflow_peft_forward(x, *args, **kwargs)
     return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,
-                             compute_dtype(x))
+                             compute_dtype(x), self._trajflow_lora_runtime)
 
 
-def patch_lora(model) -> int:
+def patch_lora(model, runtime: LoraRuntime = PLAIN) -> int:
     """Route every peft LoRA ``Linear`` through ``_LoraLinear`` when fusable (else peft); returns how many."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     count = 0
     for module in model.modules():
         if type(module) is LoraLinear and not hasattr(module, "_trajflow_peft_forward"):
+            module._trajflow_lora_runtime = runtime
             module._trajflow_peft_forward = module.forward
             module.forward = types.MethodType(_fused_lora_forward, module)
             count += 1

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.training.kernels.fused_lora import (
+    PLAIN,
+    LoraRuntime,
     cast_parts,
     compute_dtype,
     fusable_parts,
@@ -109,19 +111,22 @@ class _LoraSwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; see the module docstring for what is stored."""
 
     @staticmethod
-    def forward(ctx, x, scalings, dtype, compile, gate_w, gate_a, gate_b, up_w, up_a, up_b, down_w, down_a, down_b):
+    def forward(ctx, x, scalings, dtype, compile, runtime, gate_w, gate_a, gate_b, up_w, up_a, up_b, down_w, down_a,
+                down_b):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            gate = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype)
-            up = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype)
-            down = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype)
+            gate = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
+            up = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)
+            down = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
             g, z_gate = lora_forward(x2, *gate)
             u, z_up = lora_forward(x2, *up)
             y, z_down = lora_forward(kernel(_silu_mul, compile)(g, u), *down)
         drop_bias = lambda p: (p[0], p[2], p[3])  # noqa: E731 - (W, A, sB); the MLP has no biases
         ctx.save_for_backward(x2, g, u, z_gate, z_up, z_down, *drop_bias(gate), *drop_bias(up), *drop_bias(down))
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
-        ctx.param_dtypes = [(a.dtype, b.dtype) for a, b in ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))]
+        # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
+        ctx.masters = ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))
+        ctx.into_masters = runtime.grads_into_masters
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -134,16 +139,17 @@ class _LoraSwiGLU(torch.autograd.Function):
         dh = lora_input_grad(dy, gz, dw, da)
         grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
         del dh
-        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.param_dtypes[2])
+        needs = ctx.needs_input_grad
+        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[12:14])
         del h
         gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=lora_input_grad(grad_g, gz_gate, gw, ga))
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.param_dtypes[0])
-        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.param_dtypes[1])
-        return (grad_x, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
+        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters, needs[6:8])
+        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[9:11])
+        return (grad_x, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
 
 
 def rms_norm(x, weight, eps, compile: bool = False):
@@ -154,10 +160,10 @@ def silu_mul(gate, up, compile: bool = False):
     return _SiluMul.apply(gate, up, compile)
 
 
-def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False):
+def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: LoraRuntime = PLAIN):
     """down(silu(gate(x)) * up(x)) for three bias-free ``LoraParts`` in one autograd op."""
     scalings = (gate.scaling, up.scaling, down.scaling)
-    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, gate.weight, gate.lora_a, gate.lora_b,
+    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, gate.weight, gate.lora_a, gate.lora_b,
                              up.weight, up.lora_a, up.lora_b, down.weight, down.lora_a, down.lora_b)
 
 
@@ -169,7 +175,8 @@ def _mlp_forward(self, x):
     if self._trajflow_fuse_lora:
         parts = [fusable_parts(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(p is not None and p.bias is None for p in parts):
-            return lora_swiglu(x, *parts, dtype=compute_dtype(x), compile=self._trajflow_compile)
+            return lora_swiglu(x, *parts, dtype=compute_dtype(x), compile=self._trajflow_compile,
+                               runtime=self._trajflow_lora_runtime)
     return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x), self._trajflow_compile))
 
 
@@ -177,11 +184,12 @@ def _is_silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
-def patch_model(model, compile: bool = False, fuse_lora: bool = False) -> dict[str, int]:
+def patch_model(model, compile: bool = False, fuse_lora: bool = False,
+                runtime: LoraRuntime = PLAIN) -> dict[str, int]:
     """Swap the forward of matching RMSNorm and SwiGLU-MLP modules in place; returns how many of each.
 
     ``compile``: elementwise math through torch.compile. ``fuse_lora``: MLPs whose projections are
-    fusable LoRA run as one ``_LoraSwiGLU`` op.
+    fusable LoRA run as one ``_LoraSwiGLU`` op, with ``runtime``'s cast cache and gradient accumulation.
     """
     counts = {"rms_norm": 0, "swiglu": 0}
     for module in model.modules():
@@ -194,6 +202,7 @@ def patch_model(model, compile: bool = False, fuse_lora: bool = False) -> dict[s
             module.act_fn
         ):
             module._trajflow_compile, module._trajflow_fuse_lora = compile, fuse_lora
+            module._trajflow_lora_runtime = runtime
             module.forward = types.MethodType(_mlp_forward, module)
             counts["swiglu"] += 1
     return counts
