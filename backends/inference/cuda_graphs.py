@@ -64,11 +64,12 @@ def copy_back(out: torch.Tensor, raw: torch.Tensor, top_rows: list[int], top_k: 
               wait: Callable[[], None] | None = None) -> Launched:
     """Queue the host copies of a step's `out` and of the top-`top_k` logprobs of rows `top_rows` of `raw`; on CUDA
     into pinned memory behind the step, with an event to wait for."""
+    cuda = out.device.type == "cuda"
     tops = None
-    if top_rows:
-        vals, ids = raw[torch.tensor(top_rows, device=raw.device)].topk(top_k, dim=-1)
-        tops = (vals, ids)
-    if out.device.type != "cuda":
+    if top_rows:  # the row index from pinned memory: a pageable copy could wait for the steps queued before it
+        rows = torch.tensor(top_rows, dtype=torch.long, pin_memory=cuda).to(raw.device, non_blocking=True)
+        tops = tuple(raw[rows].topk(top_k, dim=-1))
+    if not cuda:
         return Launched(out, raw, out, tops, wait)
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
             for t in (out, *(tops or ()))]
