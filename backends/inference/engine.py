@@ -568,18 +568,15 @@ class Engine:
 
     def _accept_step(self, step: _Step, following: _Step | None) -> None:
         """Accept `step`'s tokens; `following` is the step already launched after it (overlapped), or None."""
-        out, tops = step.launched.fetch()
+        out, top = step.launched.fetch()
+        tops = self._tops(step.seqs, step.top_rows, top)
         live = [i for i, s in enumerate(step.seqs) if s.finish is None]
         for s in step.seqs:
             if s.finish is not None:  # finished at the step before: this row was computed only to be dropped
                 self._release_seq(s)
         slots = [step.seqs[i].slot for i in live]
-        seqs = [step.seqs[i] for i in live]
-        top_index = {i: j for j, i in enumerate(step.top_rows)}
-        want = [top_index[i] for i in live if i in top_index]
-        tops = (tops[0][want], tops[1][want]) if tops is not None and want else None
-        self._accept(seqs, out[0, slots].long().tolist(), out[1, slots].tolist(),
-                     self._tops(seqs, [j for j, i in enumerate(live) if i in top_index], tops), following)
+        self._accept([step.seqs[i] for i in live], out[0, slots].long().tolist(), out[1, slots].tolist(),
+                     {j: tops[i] for j, i in enumerate(live) if i in tops}, following)
 
     def _drain(self) -> None:
         """Accept the step in flight (overlapped) and free what it finished: the state the serial loop leaves."""
