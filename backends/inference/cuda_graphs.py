@@ -85,7 +85,8 @@ class DecodeStep:
         self.runner, self.max_batch, self.max_len = runner, max_batch, max_len
         self.graphs = graphs
         device = runner.device
-        self.host = torch.zeros((len(ROWS), max_batch), dtype=torch.float64)  # fill it, then launch
+        # fill it, then launch; pinned as well, for the benchmarks that copy it to `dev` themselves around a replay
+        self.host = torch.zeros((len(ROWS), max_batch), dtype=torch.float64, pin_memory=device.type == "cuda")
         self._staging = [torch.zeros(self.host.shape, dtype=torch.float64, pin_memory=True)
                          for _ in range(2 if device.type == "cuda" else 0)]
         self.dev = torch.zeros((len(ROWS), max_batch), dtype=torch.float64, device=device)
