@@ -17,7 +17,8 @@ the host bookkeeping of step t (`EngineConfig.overlap_decode`), which needs thre
   overwrites them, so each launch queues its host copies (and the top-k of ``raw``) right behind its own step.
 
 With CUDA graphs, a step runs at a bucketed batch (the smallest of ``batch_buckets`` covering the highest slot in
-use; rows past the live ones are idle and write only to free slots) and a bucketed attention length (a power of two
+use; rows past the live ones are idle and write only to slots that no running sequence reads again: free ones, or,
+overlapped, those of sequences that end at the step before) and a bucketed attention length (a power of two
 >= the longest live position), so a handful of graphs serve all traffic. A graph is captured the first time its
 (batch, length, with-LoRA, with-top-p) combination is needed, from the real inputs of that step: the warm-up and
 capture runs repeat the very same computation, so their cache writes are idempotent. Eagerly (the CPU), a step uses
