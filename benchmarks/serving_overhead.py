@@ -23,8 +23,9 @@ What runs:
 Reported per load: output tok/s over HTTP, in-process, and the stand-in's ceiling (back-to-back decode steps of the
 load's batch, no host work); the server's CPU seconds per 1,000 output tokens (whole process, and by thread: event
 loop, engine thread, tokenizer pool, others); the event loop's lag (how late a 5 ms timer wakes); the engine's
-host time per decode step (its step wall time minus the stand-in's sleep: bookkeeping plus waits for the GIL); the
-mean rows per decode step (how full the batch is kept); the client's CPU seconds (it shares the machine).
+host time per decode step (its decode-loop wall time minus the stand-in's device time: bookkeeping plus waits for
+the GIL, as far as they are not hidden behind a step: `--overlap-decode on`); the mean rows per decode step (how
+full the batch is kept); the client's CPU seconds (it shares the machine).
 
     python benchmarks/serving_overhead.py --out benchmarks/results/serving-overhead-cpu.json
 """
@@ -86,9 +87,11 @@ def build_folder(root: Path, tokenizer: str) -> tuple[Path, Path, dict]:
 
 
 def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: float | None = None,
-                 http: str | None = None) -> EmbeddedServer:
+                 http: str | None = None, overlap_decode: str | None = None) -> EmbeddedServer:
     """`benchmarks/standin_server.py` (i.e. `trajflow serve` over the stand-in) in a subprocess."""
     extra = [x for k, v in asdict(timing).items() for x in ("--" + k.replace("_", "-"), str(v))]
+    if overlap_decode is not None:
+        extra += ["--overlap-decode", overlap_decode]
     if keep_alive_s is not None:
         extra += ["--keep-alive-s", str(keep_alive_s)]
     if http is not None:
@@ -122,12 +125,13 @@ def derived(before: dict, after: dict, tokens: int, requests: int, wall: float, 
         "event_loop_lag": after["lag"],
         "decode_steps": steps,
         "mean_rows_per_step": round(s["decode_rows"] / max(s["decode_steps"], 1), 1),
-        "engine_host_ms_per_step": round(1000 * (step_s - s["decode_sleep_s"]) / max(steps, 1), 3),
+        "engine_host_ms_per_step": round(1000 * (step_s - s["decode_device_s"]) / max(steps, 1), 3),
+        "engine_wait_ms_per_step": round(1000 * s["decode_wait_s"] / max(steps, 1), 3),
         "prefills": s["prefills"],
-        "wall_fractions": {"decode_model": round(s["decode_sleep_s"] / wall, 3),
-                           "prefill_model": round(s["prefill_sleep_s"] / wall, 3),
-                           "decode_host": round((step_s - s["decode_sleep_s"]) / wall, 3),
-                           "rest": round(1 - (step_s + s["prefill_sleep_s"]) / wall, 3)},
+        "wall_fractions": {"decode_model": round(s["decode_device_s"] / wall, 3),
+                           "prefill_model": round(s["prefill_device_s"] / wall, 3),
+                           "decode_host": round((step_s - s["decode_device_s"]) / wall, 3),
+                           "rest": round(1 - (step_s + s["prefill_device_s"]) / wall, 3)},
         "ceiling_tok_s": round(timing.ceiling_tok_s(batch), 1),
     }
 
@@ -202,7 +206,8 @@ async def inprocess_pass(engine, load: Load, vocab: int) -> dict:
     step_s = engine.stats["decode_seconds"] - before["decode_seconds"]
     return {"tokens_per_s": round(tokens / wall, 1), "output_tokens": tokens, "wall_s": round(wall, 3),
             "process_cpu_s_per_1k_tokens": round(cpu * 1000 / tokens, 4),
-            "engine_host_ms_per_step": round(1000 * (step_s - counters.decode_sleep_s) / max(steps, 1), 3),
+            "engine_host_ms_per_step": round(1000 * (step_s - counters.decode_device_s) / max(steps, 1), 3),
+            "engine_wait_ms_per_step": round(1000 * counters.decode_wait_s / max(steps, 1), 3),
             "mean_rows_per_step": round(counters.decode_rows / max(counters.decode_steps, 1), 1),
             "prefills": counters.prefills}
 
@@ -218,7 +223,8 @@ def exception_chain(e: BaseException) -> list[BaseException]:
 def markdown(report: dict) -> str:
     text = _markdown(report)
     if report.get("baseline"):
-        base = {**report["baseline"], "config": report["config"], "versions": report["versions"], "notes": []}
+        config = {**report["config"], "overlap_decode": report["baseline"].get("config", {}).get("overlap_decode")}
+        base = {**report["baseline"], "config": config, "versions": report["versions"], "notes": []}
         text += "\n## Baseline: " + base["label"] + "\n\n" + _markdown(base).split("\n", 2)[2]
     return text
 
@@ -233,7 +239,9 @@ def _markdown(report: dict) -> str:
              "Summary: " + ", ".join(f"{k} = {v}" for k, v in report["summary"].items()), "",
              (f"Stand-in (`benchmarks/engine_standin.py`, benchmarks only): decode step {t['decode_base_ms']} + "
               f"{t['decode_per_row_ms']} x rows ms, prefill {t['prefill_base_ms']} + {t['prefill_per_token_ms']} x "
-              f"padded tokens ms, slept with the GIL released; the engine's host side is real."), "",
+              f"padded tokens ms, waited for with the GIL released (decode steps queued like a CUDA stream); "
+              f"overlap_decode {report['config'].get('overlap_decode') or 'default (off on the CPU)'}; the engine's "
+              f"host side is real."), "",
              ("| load | c x n | HTTP tok/s | in-process tok/s | ceiling tok/s | server CPU s / 1k tok | by thread "
               "(loop / engine / pool / other) | CPU ms / request | loop lag p50 / p99 / max ms | engine host ms / "
               "step | rows / step | prefills | wall: decode / prefill / engine host / rest | latency p50 / p95 s |"),
@@ -312,6 +320,9 @@ def main(argv=None) -> int:
                                                                       "own (5 was uvicorn's default)")
     ap.add_argument("--http", choices=("h11", "httptools"), default=None, help="uvicorn's HTTP parser in the server "
                                                                                 "(default: httptools when installed)")
+    ap.add_argument("--overlap-decode", choices=("on", "off"), default=None, help="the engine's overlap_decode, "
+                                                                                   "server and in-process (default: "
+                                                                                   "the engine's: off on the CPU)")
     ap.add_argument("--baseline", type=Path, default=None, help="a run of this script on other code (e.g. main): its "
                                                                  "table and summary are shown beside this run's")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: profile the server during each timed pass")
@@ -336,8 +347,11 @@ def main(argv=None) -> int:
                         "product: the model computation is a sleep, everything else is the real server."),
                         ("Server CPU s / 1k tok: CPU time of the whole server process (all threads) per 1,000 output "
                         "tokens; the engine thread's share is there in-process too."),
-                        ("Wall fractions of the timed pass: the stand-in's decode sleep, its prefill sleep, the engine's "
-                        "host time inside decode steps, and the rest (admission, idle waiting for requests)."),
+                        ("Wall fractions of the timed pass: the stand-in's decode device time, its prefill device "
+                        "time, the engine's decode-loop time beyond the device's (host work not hidden behind a "
+                        "step; all of it when decode steps do not overlap), and the rest (admission, idle waiting "
+                        "for requests). Engine host ms / step is that decode-loop excess per step; the JSON's "
+                        "engine_wait_ms_per_step is how long the engine thread blocked on a step's output."),
                         ("Ceiling: back-to-back decode steps of the load's batch with no host work; in-process: "
                         "Engine.generate from one event loop in the benchmark's process, no HTTP.")]}
     for name in ("httpx", "uvloop", "httptools", "orjson"):
@@ -351,7 +365,7 @@ def main(argv=None) -> int:
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     if baseline:
         report["baseline"] = {k: baseline[k] for k in ("label", "command", "date", "summary", "results",
-                                                       "c256_repeats", "hardware") if k in baseline}
+                                                       "c256_repeats", "hardware", "config") if k in baseline}
 
     def write() -> None:
         report["summary"] = {**summary(rows), **repeats_summary(report.get("c256_repeats") or [])}
@@ -361,8 +375,9 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(report))
 
-    server = start_server(folder, timing, work / "server.log", args.keep_alive_s, args.http)
+    server = start_server(folder, timing, work / "server.log", args.keep_alive_s, args.http, args.overlap_decode)
     report["config"]["keep_alive_s"], report["config"]["http"] = args.keep_alive_s, args.http
+    report["config"]["overlap_decode"] = args.overlap_decode
     report["config"]["server_command"] = server.command
     try:
         server.wait_healthy(300)
@@ -402,7 +417,9 @@ def main(argv=None) -> int:
         from backends.inference.engine import Engine, EngineConfig
 
         engine = Engine.from_pretrained(str(folder), served_name=SERVED,
-                                        config=EngineConfig(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN))
+                                        config=EngineConfig(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,
+                                                            overlap_decode=None if args.overlap_decode is None
+                                                            else args.overlap_decode == "on"))
         install(engine, timing)
         try:
             engine.load_adapter(ADAPTER, str(adapter))

@@ -102,16 +102,21 @@ class LagProbe:
                 "p99_ms": pick(0.99), "max_ms": round(1000 * v[-1], 3), "over_10ms": sum(x > 0.010 for x in v)}
 
 
-def instrument(timing: StandInTiming, keep_alive_s: float | None = None, http: str | None = None) -> None:
+def instrument(timing: StandInTiming, keep_alive_s: float | None = None, http: str | None = None,
+               overlap_decode: bool | None = None) -> None:
     """Patch `Engine.from_pretrained` (stand-in) and `create_app` (probe routes) before `trajflow serve` runs;
-    `keep_alive_s` replaces the server's keep-alive timeout, `http` uvicorn's HTTP parser (to show what they do)."""
+    `keep_alive_s` replaces the server's keep-alive timeout, `http` uvicorn's HTTP parser, `overlap_decode` the
+    engine's choice (to show what they do)."""
 
-    from backends.inference.engine import Engine
+    from backends.inference.engine import Engine, EngineConfig
     from backends.serving import app as app_module
 
     original_load, original_create = Engine.from_pretrained.__func__, app_module.create_app
 
     def from_pretrained(cls, *args, **kwargs):
+        if overlap_decode is not None:
+            config = kwargs.get("config") or EngineConfig()
+            kwargs["config"] = config.model_copy(update={"overlap_decode": overlap_decode})
         engine = original_load(cls, *args, **kwargs)
         install(engine, timing)
         return engine
@@ -165,10 +170,13 @@ def main(argv=None) -> int:
                                                                       "its own")
     ap.add_argument("--http", choices=("h11", "httptools"), default=None, help="uvicorn's HTTP parser (default: "
                                                                                 "httptools when installed)")
+    ap.add_argument("--overlap-decode", choices=("on", "off"), default=None, help="EngineConfig.overlap_decode "
+                                                                                   "(default: the engine's)")
     ap.add_argument("serve_argv", nargs=argparse.REMAINDER, help="-- serve --model FOLDER ...")
     args = ap.parse_args(argv)
     rest = args.serve_argv[1:] if args.serve_argv[:1] == ["--"] else args.serve_argv
-    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}), args.keep_alive_s, args.http)
+    instrument(StandInTiming(**{k: getattr(args, k) for k in vars(StandInTiming())}), args.keep_alive_s, args.http,
+               None if args.overlap_decode is None else args.overlap_decode == "on")
     from flows.cli import main as cli_main
 
     return cli_main(rest)

@@ -2,11 +2,23 @@
 
 Inputs go through one static buffer ``[6, max_batch]`` float64 (token, position, LoRA slot, temperature, top-p,
 uniform draw; float64 holds token ids exactly) copied to the device in one transfer; outputs come back as one
-``[2, B]`` tensor (token, raw logprob) in one transfer, plus the raw logprobs ``[B, V]`` left on the device for
-``top_logprobs``.
+``[2, B]`` tensor (token, raw logprob) in one transfer, plus the top-k raw logprobs of the rows that ask for them.
+
+A step is *launched* (`DecodeStep.launch`): its input copy, forward, sampling and output copies are queued on the
+device's stream and the call returns; `Launched.fetch` waits for it. The engine can so queue step t+1 before it does
+the host bookkeeping of step t (`EngineConfig.overlap_decode`), which needs three things here:
+
+- **Carried tokens.** A row whose host token is ``-1`` takes its input token from the previous step's output on the
+  device (that step's sample is not on the host yet).
+- **Two pinned staging buffers, used in turn.** The caller's `host` buffer is copied into one (on the CPU, at once)
+  and the device copies from there, so `host` can be refilled for step t+1 while step t's copy is still queued;
+  step t+2 reuses step t's staging buffer only after step t was fetched, which is after its copy.
+- **Outputs copied before the next launch.** A graph's output buffers are static: the next replay of the same graph
+  overwrites them, so each launch queues its host copies (and the top-k of ``raw``) right behind its own step.
 
 With CUDA graphs, a step runs at a bucketed batch (the smallest of ``batch_buckets`` covering the highest slot in
-use; rows past the live ones are idle and write only to free slots) and a bucketed attention length (a power of two
+use; rows past the live ones are idle and write only to slots that no running sequence reads again: free ones, or,
+overlapped, those of sequences that end at the step before) and a bucketed attention length (a power of two
 >= the longest live position), so a handful of graphs serve all traffic. A graph is captured the first time its
 (batch, length, with-LoRA, with-top-p) combination is needed, from the real inputs of that step: the warm-up and
 capture runs repeat the very same computation, so their cache writes are idempotent. Eagerly (the CPU), a step uses
@@ -16,6 +28,9 @@ the exact batch and length.
 from __future__ import annotations
 
 import torch
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from backends.inference.decoder import DecoderRunner
 from backends.inference.sampling import sample
@@ -28,6 +43,42 @@ def default_batch_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, 8, *range(16, max_batch + 1, 16)] if b < max_batch} | {max_batch})
 
 
+@dataclass
+class Launched:
+    """A decode step queued on the device. `out` [2, batch] (token, raw logprob) stays on the device (the next step
+    may read its tokens there); `host_out` and `tops` are host copies, complete once `wait` returns."""
+
+    out: torch.Tensor
+    raw: torch.Tensor  # [batch, V] raw logprobs on the device; a graph's buffer: valid until the next launch
+    host_out: torch.Tensor
+    tops: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [len(top_rows), k], or None
+    wait: Callable[[], None] | None = None
+
+    def fetch(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Wait for the step; (out [2, batch] on the CPU, (top values, top ids) on the CPU or None)."""
+        if self.wait is not None:
+            self.wait()
+        return self.host_out, self.tops
+
+
+def copy_back(out: torch.Tensor, raw: torch.Tensor, top_rows: list[int], top_k: int,
+              wait: Callable[[], None] | None = None) -> Launched:
+    """Queue the host copies of a step's `out` and of the top-`top_k` logprobs of rows `top_rows` of `raw`; on CUDA
+    into pinned memory behind the step, with an event to wait for."""
+    cuda = out.device.type == "cuda"
+    tops = None
+    if top_rows:  # the row index from pinned memory: a pageable copy could wait for the steps queued before it
+        rows = torch.tensor(top_rows, dtype=torch.long, pin_memory=cuda).to(raw.device, non_blocking=True)
+        tops = tuple(raw[rows].topk(top_k, dim=-1))
+    if not cuda:
+        return Launched(out, raw, out, tops, wait)
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in (out, *(tops or ()))]
+    done = torch.cuda.Event()
+    done.record()
+    return Launched(out, raw, host[0], (host[1], host[2]) if tops else None, done.synchronize)
+
+
 class DecodeStep:
     """Runs decode steps on `runner`; `graphs` turns CUDA graph capture on."""
 
@@ -35,8 +86,10 @@ class DecodeStep:
         self.runner, self.max_batch, self.max_len = runner, max_batch, max_len
         self.graphs = graphs
         device = runner.device
-        self.host = torch.zeros((len(ROWS), max_batch), dtype=torch.float64,
-                                pin_memory=device.type == "cuda")
+        # fill it, then launch; pinned as well, for the benchmarks that copy it to `dev` themselves around a replay
+        self.host = torch.zeros((len(ROWS), max_batch), dtype=torch.float64, pin_memory=device.type == "cuda")
+        self._staging = [torch.zeros(self.host.shape, dtype=torch.float64, pin_memory=True)
+                         for _ in range(2 if device.type == "cuda" else 0)]
         self.dev = torch.zeros((len(ROWS), max_batch), dtype=torch.float64, device=device)
         self.batch_buckets = default_batch_buckets(max_batch)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -62,11 +115,20 @@ class DecodeStep:
         toks, lps, raw = sample(logits, d[3].float(), d[5], d[4].float() if top_p else None)
         return torch.stack((toks.double(), lps.double())), raw
 
-    def run(self, batch: int, length: int, lora: bool, top_p: bool,
-            lora_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step rows 0..batch-1 from `self.host` (already filled); returns ([2, batch] on the CPU, raw [batch, V]).
-        Eagerly, LoRA columns are read only for slots < `lora_slots`; a graph always covers every slot."""
-        self.dev.copy_(self.host, non_blocking=True)
+    def launch(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
+               carry: torch.Tensor | None = None, top_rows: list[int] = (), top_k: int = 0) -> Launched:
+        """Queue a step of rows 0..batch-1 from `self.host` (already filled). Rows whose token is -1 take it from
+        `carry` (the previous launch's `out`) on the device. Eagerly, LoRA columns are read only for slots <
+        `lora_slots`; a graph always covers every slot."""
+        if self._staging:
+            self._staging.reverse()
+            self.dev.copy_(self._staging[0].copy_(self.host), non_blocking=True)
+        else:
+            self.dev.copy_(self.host)
+        if carry is not None:
+            n = min(batch, carry.shape[1])
+            tok = self.dev[0, :n]
+            tok.copy_(torch.where(tok < 0, carry[0, :n], tok))
         if self.runner.lora.generation != self._generation:
             # LoRA stacks were reallocated: old graphs are stale, compiled layer functions need these stacks' variant
             self.clear()
@@ -74,14 +136,20 @@ class DecodeStep:
             self.runner.warm_up()
         if not self.graphs:
             out, raw = self._body(batch, length, lora, top_p, lora_slots)
-            return out.cpu(), raw
+            return copy_back(out, raw, list(top_rows), top_k)
         key = (batch, length, lora, top_p)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key)
         graph, out, raw = entry
         graph.replay()
-        return out.cpu(), raw
+        return copy_back(out, raw, list(top_rows), top_k)
+
+    def run(self, batch: int, length: int, lora: bool, top_p: bool,
+            lora_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`launch` and wait: ([2, batch] on the CPU, raw [batch, V] on the device)."""
+        launched = self.launch(batch, length, lora, top_p, lora_slots)
+        return launched.fetch()[0], launched.raw
 
     def _capture(self, key: tuple) -> tuple:
         if self._pool is None:

@@ -20,6 +20,8 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
   up to ``max_loras`` resident adapters in one batch (`lora_slots`).
 - **Step** (`cuda_graphs`): on CUDA, forward + sampling of a decode step replay from a CUDA graph (static KV cache,
   bucketed batch and length); on the CPU the same code runs eagerly.
+- **Overlap** (``overlap_decode``): the host work of a decode step (reading its tokens, appending them, stop checks,
+  callbacks) runs while the device computes the next step, as vLLM's async scheduling does; see `_decode`.
 - **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
@@ -48,7 +50,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.inference.adapters import AdapterEntry, AdapterRegistry, UnknownModel
-from backends.inference.cuda_graphs import DecodeStep
+from backends.inference.cuda_graphs import DecodeStep, Launched
 from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.loop_handoff import LoopHandoff
@@ -101,6 +103,12 @@ class EngineConfig(BaseModel):
         "if compiling fails. Default: off (H200, 0.5B: 2.08 -> 1.90 ms at batch 1 with fuse_lora_a, but 5.7 s of "
         "compiles at start and logprobs that differ from the eager step by up to 0.105 in bf16, which the publish "
         "probe's tolerance would have to absorb)."))
+    overlap_decode: bool | None = Field(None, description=(
+        "Launch decode step t+1 before the host bookkeeping of step t (its tokens go from step t's output to step "
+        "t+1's input on the device), so the device computes while the host accepts; a sequence that stops at step t "
+        "computes one discarded row in step t+1. Same completions as without. Admitting new requests waits for the "
+        "step in flight. Default: on where decode steps are CUDA graphs on CUDA, off on the CPU (there the device is "
+        "the same cores: nothing to overlap)."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
@@ -170,6 +178,17 @@ class _Seq:
     finish: str | None = None
     stop_reason: str | int | None = None
     cut: int | None = None
+    launched: int = -1  # number of the last decode step this sequence had a row in
+
+
+@dataclass
+class _Step:
+    """A launched decode step whose tokens the host has not accepted yet."""
+
+    number: int
+    seqs: list[_Seq]  # one row each, at its slot
+    launched: Launched
+    top_rows: list[int]  # indices into `seqs` whose top logprobs were asked for
 
 
 class Engine:
@@ -204,12 +223,16 @@ class Engine:
                                     compile=bool(config.compile_decode))
         graphs = cuda if config.cuda_graphs is None else (config.cuda_graphs and cuda)
         self.step = DecodeStep(self.runner, self.max_batch, self.max_seq_len, graphs)
+        self.overlap = graphs if config.overlap_decode is None else config.overlap_decode
         from backends.modeling.loading import cache_root
 
         cache_dir = Path(config.adapter_cache_dir) if config.adapter_cache_dir else cache_root()
         self.adapters = AdapterRegistry([name], info["layout"], info["num_layers"], config.max_lora_rank,
                                         cache_dir, config.max_cpu_loras, self.dtype)
         self.eos_ids = end_of_turn_ids(model, tokenizer)
+        # decode_seconds: the engine thread's wall time in decode steps: filling, launching, waiting for and accepting
+        # them. Serially that is each step's device time plus its host work; overlapped, the device time of a step
+        # hides behind the previous step's host work, so decode_seconds / decode_steps is the loop's period per step.
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
                       "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
@@ -218,6 +241,8 @@ class Engine:
         self._running: dict[int, _Seq] = {}
         self._free = list(range(self.max_batch))
         self._ids = 0
+        self._steps = 0
+        self._inflight: _Step | None = None  # overlapped: the step launched and not yet accepted
         self._stopping = False
         self._handoff = LoopHandoff()
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
@@ -372,10 +397,16 @@ class Engine:
                     self._fail_all(EngineStopped("the engine shut down"), items)
                     self._handoff.wake()
                     return
-                self._take(items)
                 admitted: list[_Request] = []
                 try:
-                    admitted = self._admit()
+                    if self._inflight is not None and (items or self._admissible()):
+                        self._drain()  # aborts, forgotten adapters and admission see no step in flight
+                except Exception as e:  # noqa: BLE001 - as below
+                    log.exception("engine step failed")
+                    self._fail_running(e)
+                self._take(items)
+                try:
+                    admitted = self._admit() if self._inflight is None else []
                     if admitted:
                         self._prefill(admitted)
                     if self._running:
@@ -406,6 +437,10 @@ class Engine:
             if seq.req.id == rid:
                 seq.req.cancelled = True
                 self._release_seq(seq)
+
+    def _admissible(self) -> bool:
+        """A waiting request may fit now (enough free KV slots; its adapter's slot is only known by trying)."""
+        return bool(self._waiting) and len(self._free) >= self._waiting[0].n
 
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
@@ -466,43 +501,101 @@ class Engine:
         u = torch.tensor([uniform(s.seed, 0) for s in seqs], device=dev, dtype=torch.float64)
         top_p_t = torch.tensor(top_p, device=dev, dtype=torch.float32) if min(top_p) < 1 else None
         toks, lps, raw = sample(logits[rows], temp, u, top_p_t)
-        self._accept(seqs, toks.tolist(), lps.tolist(), raw, list(range(len(seqs))))
+        want = [i for i, s in enumerate(seqs) if s.req.params.top_logprobs > 0]
+        tops = None
+        if want:
+            vals, ids = raw[torch.tensor(want, device=dev)].topk(max(seqs[i].req.params.top_logprobs for i in want))
+            tops = (vals.cpu(), ids.cpu())
+        self._accept(seqs, toks.tolist(), lps.tolist(), self._tops(seqs, want, tops), None)
 
     def _decode(self) -> None:
+        """One decode step over the running sequences.
+
+        Serially: fill the inputs, launch step t, wait for it, accept its tokens. Overlapped (``overlap_decode``):
+        launch step t+1, then accept step t, which ran meanwhile. Step t+1 is built before step t's tokens are on
+        the host, so for every row of step t:
+
+        - its input token is step t's sample, copied on the device (host token -1, `DecodeStep.launch`);
+        - position ``pos + 1`` and the uniform ``uniform(seed, len(tokens) + 1)``: both known ahead;
+        - a sequence that step t finishes is known only after step t+1 is launched: its row in step t+1 is
+          computed and discarded (`_accept_step`), and its KV slot and LoRA slot are freed after that step (an
+          admission, which could reuse them, first drains the step in flight). Finishing on length is known ahead:
+          those sequences get no extra row.
+
+        The completions are those of the serial loop (seeded draws are indexed by token, sampling does not depend on
+        other rows' top-p). Where an extra row changes a step's shape (on CUDA: its batch bucket, or whether the
+        LoRA or top-p graph runs) the other rows' logits may round differently, as with any change of batch
+        composition; on the CPU the eager step gives the same numbers for the tests' batches.
+        """
         t0 = time.perf_counter()
-        seqs = list(self._running.values())
+        prev = self._inflight
+        lag = 1 if prev is not None else 0  # every live sequence had a row in `prev`: no prefill while in flight
+        seqs = [s for s in self._running.values() if s.finish is None
+                and not (lag and (len(s.tokens) + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_seq_len))]
+        step = self._launch(seqs, lag, prev) if seqs else None
+        self._inflight = step if self.overlap else None
+        if prev is not None:
+            self._accept_step(prev, step)
+        if step is not None and not self.overlap:
+            self._accept_step(step, None)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+
+    def _launch(self, seqs: list[_Seq], lag: int, prev: _Step | None) -> _Step:
         rows = max(s.slot for s in seqs) + 1
-        length = max(s.pos for s in seqs) + 1
+        length = max(s.pos for s in seqs) + lag + 1
         batch, span = self.step.bucket(rows, length)
         host = self.step.host.numpy()
         host[:, :batch] = ((0,), (0,), (-1,), (1,), (1,), (0,))
         slots = [s.slot for s in seqs]
-        host[0, slots] = [s.tokens[-1] for s in seqs]
-        host[1, slots] = [s.pos for s in seqs]
+        host[0, slots] = [-1 if lag else s.tokens[-1] for s in seqs]
+        host[1, slots] = [s.pos + lag for s in seqs]
         host[2, slots] = [s.req.lora_slot for s in seqs]
         host[3, slots] = [s.req.params.temperature for s in seqs]
         host[4, slots] = [s.req.params.top_p for s in seqs]
-        host[5, slots] = [uniform(s.seed, len(s.tokens)) for s in seqs]
+        host[5, slots] = [uniform(s.seed, len(s.tokens) + lag) for s in seqs]
         lora_max = max(s.req.lora_slot for s in seqs)
         use_top_p = any(s.req.params.top_p < 1 for s in seqs)
-        out, raw = self.step.run(batch, span, lora_max >= 0, use_top_p, lora_slots=lora_max + 1)
-        toks = out[0, slots].long().tolist()
-        lps = out[1, slots].tolist()
+        want = [i for i, s in enumerate(seqs) if s.req.params.top_logprobs > 0]
+        k = max((seqs[i].req.params.top_logprobs for i in want), default=0)
+        launched = self.step.launch(batch, span, lora_max >= 0, use_top_p, lora_slots=lora_max + 1,
+                                    carry=prev.launched.out if lag else None, top_rows=[slots[i] for i in want],
+                                    top_k=k)
+        self._steps += 1
+        for s in seqs:
+            s.launched = self._steps
         self.stats["decode_steps"] += 1
-        self._accept(seqs, toks, lps, raw, slots)
+        return _Step(self._steps, seqs, launched, want)
+
+    def _accept_step(self, step: _Step, following: _Step | None) -> None:
+        """Accept `step`'s tokens; `following` is the step already launched after it (overlapped), or None."""
+        out, top = step.launched.fetch()
+        tops = self._tops(step.seqs, step.top_rows, top)
+        live = [i for i, s in enumerate(step.seqs) if s.finish is None]
+        for s in step.seqs:
+            if s.finish is not None:  # finished at the step before: this row was computed only to be dropped
+                self._release_seq(s)
+        slots = [step.seqs[i].slot for i in live]
+        self._accept([step.seqs[i] for i in live], out[0, slots].long().tolist(), out[1, slots].tolist(),
+                     {j: tops[i] for j, i in enumerate(live) if i in tops}, following)
+
+    def _drain(self) -> None:
+        """Accept the step in flight (overlapped) and free what it finished: the state the serial loop leaves."""
+        t0 = time.perf_counter()
+        step, self._inflight = self._inflight, None
+        self._accept_step(step, None)
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
-    def _accept(self, seqs: list[_Seq], toks: list[int], lps: list[float], raw: torch.Tensor,
-                raw_rows: list[int]) -> None:
-        want = [(i, s) for i, s in enumerate(seqs) if s.req.params.top_logprobs > 0]
-        tops: dict[int, list[tuple[int, float]]] = {}
-        if want:
-            k = max(s.req.params.top_logprobs for _, s in want)
-            vals, ids = raw[[raw_rows[i] for i, _ in want]].topk(k, dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            for j, (i, s) in enumerate(want):
-                kk = s.req.params.top_logprobs
-                tops[i] = list(zip(ids[j][:kk], vals[j][:kk]))
+    @staticmethod
+    def _tops(seqs: list[_Seq], want: list[int], tops) -> dict[int, list[tuple[int, float]]]:
+        """{index into seqs: [(token, raw logprob)] * its top_logprobs} from the top-k rows of `want` (in order)."""
+        if not want:
+            return {}
+        vals, ids = tops[0].tolist(), tops[1].tolist()
+        return {i: list(zip(ids[j][: seqs[i].req.params.top_logprobs], vals[j][: seqs[i].req.params.top_logprobs]))
+                for j, i in enumerate(want)}
+
+    def _accept(self, seqs: list[_Seq], toks: list[int], lps: list[float], tops: dict[int, list[tuple[int, float]]],
+                following: _Step | None) -> None:
         self.stats["generated_tokens"] += len(seqs)
         for i, (s, t, lp) in enumerate(zip(seqs, toks, lps)):
             s.tokens.append(t)
@@ -512,7 +605,9 @@ class Engine:
             s.pos += 1
             self._check_finished(s, t)
             if s.finish is not None:
-                self._release_seq(s)
+                self._complete_seq(s)
+                if following is None or s.launched != following.number:
+                    self._release_seq(s)  # else its row in `following` still runs: freed when that is accepted
 
     def _check_finished(self, s: _Seq, token: int) -> None:
         p = s.req.params
@@ -529,19 +624,23 @@ class Engine:
         if s.finish is None and (len(s.tokens) >= s.req.max_tokens or s.pos + 1 >= self.max_seq_len):
             s.finish = "length"
 
+    def _complete_seq(self, s: _Seq) -> None:
+        """`s` has finished: its request is answered once all its choices have."""
+        req = s.req
+        req.remaining -= 1
+        if req.remaining == 0 and not req.cancelled:
+            self._notify(req, [self._completion(x) for x in req.seqs])
+
     def _release_seq(self, s: _Seq) -> None:
+        """Free `s`'s KV slot, and its request's LoRA slot with the last of its choices."""
         if self._running.get(s.slot) is not s:
             return
         del self._running[s.slot]
         self.kv.release(s.slot)
         heapq.heappush(self._free, s.slot)
         req = s.req
-        req.remaining -= 1
-        if req.remaining == 0:
-            if req.lora_slot >= 0:
-                self.lora.release(req.lora_slot)
-            if not req.cancelled:
-                self._notify(req, [self._completion(x) for x in req.seqs])
+        if req.lora_slot >= 0 and not any(self._running.get(x.slot) is x for x in req.seqs):
+            self.lora.release(req.lora_slot)
 
     def _completion(self, s: _Seq) -> Completion:
         text = self._tok.decode(s.tokens, skip_special_tokens=True)
@@ -556,7 +655,13 @@ class Engine:
             log.exception("request %s callback failed", req.id)
 
     def _fail_running(self, error: Exception) -> None:
-        reqs = {id(s.req): s.req for s in self._running.values() if not s.req.cancelled}
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            try:  # the device may still be writing its slots and host buffers: let it finish first
+                step.launched.fetch()
+            except Exception:  # noqa: BLE001 - the step's own failure is the one being reported
+                log.exception("the step in flight failed too")
+        reqs = {id(s.req): s.req for s in self._running.values() if not s.req.cancelled and s.req.remaining}
         for seq in list(self._running.values()):
             seq.req.cancelled = True
             self._release_seq(seq)

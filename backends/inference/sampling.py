@@ -13,7 +13,10 @@ Choices made here:
   token from ``softmax(logits / T)`` this way is exact multinomial sampling.
 - **top-p** keeps the smallest prefix of tokens (by descending probability) whose mass reaches ``top_p``: token ``i``
   is kept when the mass strictly before it is ``< top_p``. The most likely token is always kept, also when a tiny
-  ``top_p`` rounds to 0 in float32 (nothing would be kept, and the draw would fall on the last token).
+  ``top_p`` rounds to 0 in float32 (nothing would be kept, and the draw would fall on the last token). A row with
+  ``top_p = 1`` draws from the unsorted distribution also when other rows of its batch use top-p: the same uniform
+  falls on another token of the sorted order, and a row's token must not depend on what shares its batch (nor on
+  whether a finished sequence's discarded row still does, `EngineConfig.overlap_decode`).
 - **temperature below** ``SAMPLING_EPS = 1e-5`` (vLLM's ``_SAMPLING_EPS``; 0 included) means greedy:
   ``argmax(logits)``. Dividing float32 logits by a smaller temperature overflows to inf (a subnormal one such as
   1e-39 gives NaN probabilities), while at 1e-5 the distribution is already one-hot for any logit gap above ~1e-3.
@@ -62,18 +65,17 @@ def sample(
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
     vocab = logits.shape[-1]
-    if top_p is None:
-        cdf = probs.double().cumsum(dim=-1)
-        target = (uniforms * cdf[:, -1]).unsqueeze(1)
-        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
-    else:
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    if top_p is not None:
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
         keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p.unsqueeze(1)
         keep[:, 0] = True
         cdf = (sorted_p * keep).double().cumsum(dim=-1)
         target = (uniforms * cdf[:, -1]).unsqueeze(1)
         pick = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
-        tokens = sorted_idx.gather(1, pick).squeeze(1)
+        tokens = torch.where(top_p >= 1, tokens, sorted_idx.gather(1, pick).squeeze(1))
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     token_logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, token_logprobs, raw
