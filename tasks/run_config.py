@@ -59,6 +59,11 @@ class InferenceConfig(BaseModel):
         "sends each rollout to one of them (the least busy; all turns of a rollout to the same one) and each publish "
         "loads and probes the adapter on every one. More replicas shorten rollouts, not the update")
     max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
+    overlap_decode: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="embedded server: launch each decode step before the host accepts the previous one's tokens "
+        "(the engine's `overlap_decode`). auto: on where decode steps are CUDA graphs, off on the CPU; `off` is the "
+        "serial loop, the way back should the overlapped one misbehave on a device")
     gpu_memory_utilization: float = Field(default=0.6, description="vLLM: share of GPU memory it may take")
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
     tool_call_parser: str = Field(default="hermes", description="vLLM: tool-call parser matching the chat template")
@@ -93,6 +98,12 @@ class InferenceConfig(BaseModel):
                              + ("already runs as a process of its own" if self.backend == "vllm"
                                 else "attaches to a server started elsewhere"))
         return self
+
+    @field_validator("overlap_decode", mode="before")
+    @classmethod
+    def _overlap_words(cls, value):
+        # YAML and `--set` read a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("vllm_command")
     @classmethod

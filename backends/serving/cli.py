@@ -12,6 +12,9 @@ import re
 
 from backends.serving.request_bodies import DEFAULT_MAX_BODY_BYTES
 
+# `--overlap-decode` and the run config's `inference.overlap_decode` -> EngineConfig.overlap_decode (None: its default)
+OVERLAP_CHOICES = {"auto": None, "on": True, "off": False}
+
 
 def register(subparsers) -> None:
     """Add the `serve` subcommand to `subparsers` (from `ArgumentParser.add_subparsers()`)."""
@@ -26,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once (default 4)")
     p.add_argument("--max-batch-size", type=int, default=None, help="sequences decoded together (default 64)")
     p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion in tokens")
+    p.add_argument("--overlap-decode", choices=OVERLAP_CHOICES, default="auto",
+                   help="launch each decode step before accepting the previous one (auto: on with CUDA graphs)")
     p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
                    help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
@@ -99,7 +104,8 @@ def _engine_config(args: argparse.Namespace):
 
     from backends.inference.engine import EngineConfig
 
-    updates = {"max_loras": args.max_loras, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len}
+    updates = {"max_loras": args.max_loras, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len,
+               "overlap_decode": OVERLAP_CHOICES[args.overlap_decode]}
     try:
         return EngineConfig(**{k: v for k, v in updates.items() if v is not None})
     except ValidationError as e:

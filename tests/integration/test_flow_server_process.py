@@ -125,14 +125,27 @@ def test_the_key_goes_in_the_environment_and_the_command_covers_the_adapter_cach
     from backends.policy.publish import adapter_cache
     from tasks.support.embedded_launch import embedded_process
 
-    config = _config(tmp_path, "inference.max_loras=3")
+    config = _config(tmp_path, "inference.max_loras=3", "inference.overlap_decode=off")
     server = embedded_process(config, "s3cret-key", "cpu", 0, replica=1)
     argv, env = server.argv(1234), server.environment({"PYTHONPATH": "/elsewhere", "TRAJFLOW_API_KEY": "stale"})
     assert "s3cret-key" not in " ".join(argv) and env["TRAJFLOW_API_KEY"] == "s3cret-key"
     assert argv[argv.index("--adapter-root") + 1] == str(adapter_cache(config.project, config.run))
     assert argv[argv.index("--model") + 1] == str(tiny_model_path) and "--quiet" in argv
-    assert [argv[argv.index(f) + 1] for f in ("--served-name", "--device", "--max-loras", "--port")] == [
-        "tiny-random", "cpu", "3", "1234"]
+    assert [argv[argv.index(f) + 1] for f in ("--served-name", "--device", "--max-loras", "--overlap-decode",
+                                              "--port")] == ["tiny-random", "cpu", "3", "off", "1234"]
     assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/elsewhere"]  # this checkout first
     assert server.log_path == tmp_path / "logs" / "ci" / "tiny.embedded-1.log"
     assert "TRAJFLOW_API_KEY" not in embedded_process(config, None, "cpu", 0).environment({"TRAJFLOW_API_KEY": "x"})
+
+
+def test_overlap_decode_reaches_the_engine_of_a_server_on_a_thread(tmp_path):
+    """`inference.overlap_decode` is the way back to the serial decode loop for the in-process server too."""
+    from tasks.support.runtime import Runtime
+
+    for value, overlap in (("on", True), ("auto", False)):  # auto: off on the CPU (no CUDA graphs)
+        runtime = Runtime(_config(tmp_path, "inference.embedded_process=false", f"inference.overlap_decode={value}"))
+        try:
+            runtime.ensure_server()
+            assert runtime._servers[0].engine.overlap is overlap
+        finally:
+            runtime.close()

@@ -99,6 +99,8 @@ CASES = [
      "inference: embedded_process=true applies to backend=embedded; backend=url attaches to a server started"),
     ("embedded process not a boolean", ["train", "--set", "inference.embedded_process=maybe"], 2,
      "inference.embedded_process: input should be a valid boolean, unable to interpret input, got 'maybe'"),
+    ("overlap decode unknown", ["train", "--set", "inference.overlap_decode=maybe"], 2,
+     "inference.overlap_decode: input should be 'auto', 'on' or 'off', got 'maybe'"),
     ("training mode unknown", ["train", "--set", "training.mode=thread"], 2,
      "training.mode: input should be 'auto', 'local', 'process' or 'deployment', got 'thread'"),
     ("training gpus zero", ["train", "--set", "training.gpus=0"], 2,

@@ -32,6 +32,20 @@ def test_register_parses_the_documented_flags():
     assert args.func is serve
 
 
+@pytest.mark.parametrize("value, engine_value", [(None, None), ("auto", None), ("on", True), ("off", False)])
+def test_overlap_decode_reaches_the_engine_config(value, engine_value):
+    from backends.serving.cli import _engine_config
+
+    args = _parse(*(["--overlap-decode", value] if value else []))
+    assert _engine_config(args).overlap_decode is engine_value
+
+
+def test_overlap_decode_takes_only_its_three_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse("--overlap-decode", "yes")
+    assert e.value.code == 2 and "--overlap-decode: invalid choice: 'yes'" in capsys.readouterr().err
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     from backends.serving.cli import register
 
