@@ -228,7 +228,8 @@ def main(argv=None) -> int:
                                                 size["lora_rank"])
     vocab = facts["tokenizer_vocab"]
     report = {
-        "benchmark": "benchmarks/overlap_check.py", "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]),
+        "benchmark": "benchmarks/overlap_check.py", "command": " ".join(["python", "benchmarks/overlap_check.py",
+                                                                *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": hardware(device), "versions": versions(),
         "config": {**facts, "device": device, "max_batch_size": size["max_batch"], "max_seq_len": size["max_seq_len"],
                    "mix_requests": size["mix_requests"], "mix_max_tokens": size["mix_max_tokens"],
