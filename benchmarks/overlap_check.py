@@ -72,8 +72,10 @@ def sizes(smoke: bool) -> dict:
 def request_mix(engine, vocab: int, count: int, max_tokens: int) -> list[dict]:
     """`count` seeded requests cycling through eight kinds, LoRA on every other one, prompts of 3-40 tokens:
     {prompt, params, model, n, kind}. Stops come from a probe of the same request (without stops) on `engine`: a
-    stop token id drawn from its tokens, a stop string cut from its text (tiny-random's tokenizer decodes only
-    ids < 512, so on the 0.5B shape's 151,936-token vocab a probe's text is often empty: then no stop string)."""
+    stop token id drawn from its tokens, a stop string cut from its text. Tiny-random's tokenizer decodes only ids
+    < 512, so on the 0.5B shape's 151,936-token vocab a random model's text has a character every ~300 tokens: the
+    stop-string requests run to `max_tokens` (most of them get some text), and one whose probe has none gets no
+    stop string."""
     from backends.inference.engine import SamplingParams
 
     rng = random.Random(0)
@@ -82,8 +84,8 @@ def request_mix(engine, vocab: int, count: int, max_tokens: int) -> list[dict]:
     mix = []
     for i in range(count):
         kind = kinds[i % len(kinds)]
-        p = SamplingParams(max_tokens=1 if kind == "one_token" else rng.randint(2, max_tokens), seed=1000 + i,
-                           ignore_eos=kind != "eos")
+        longest = {"one_token": 1, "stop_string": max_tokens}.get(kind, rng.randint(2, max_tokens))
+        p = SamplingParams(max_tokens=longest, seed=1000 + i, ignore_eos=kind != "eos")
         n = {"n3_top_p_top_logprobs": 3, "greedy_n2_top_logprobs": 2}.get(kind, 1)
         if kind == "n3_top_p_top_logprobs":
             p.temperature, p.top_p, p.top_logprobs = 0.8, 0.9, 2
@@ -147,15 +149,32 @@ def compare(mix: list[dict], off: list, on: list) -> dict:
             "max_logprob_diff": max_diff, "differing_top_logprob_ids": top_ids_differ, "finish_reasons": reasons}
 
 
+def count_captures_in_flight(engine) -> dict:
+    """Count the graph captures `engine` makes while a decode step of its is in flight (overlapped: step t+1's graph
+    captured while step t runs); {"in_flight": count}, kept up to date."""
+    counts = {"in_flight": 0}
+    capture = engine.step._capture
+
+    def counted(key):
+        counts["in_flight"] += engine._inflight is not None
+        return capture(key)
+
+    engine.step._capture = counted
+    return counts
+
+
 def check(engines: dict, mix: list[dict], waves: int) -> dict:
-    """The mix on each engine, in one admission and in waves; compared off vs on."""
+    """The mix on each engine, in waves and in one admission; compared off vs on."""
     out = {}
+    in_flight = {overlap: count_captures_in_flight(engine) for overlap, engine in engines.items()}
     for name, parts in (("waves", waves), ("one_admission", 1)):  # waves first: fresh graphs captured mid-run
         runs, captures = {}, {}
         for overlap, engine in engines.items():
-            before = engine.step.captures
+            before, before_in_flight = engine.step.captures, in_flight[overlap]["in_flight"]
             runs[overlap] = asyncio.run(arrive(engine, mix, parts))
             captures["on" if overlap else "off"] = engine.step.captures - before
+            captures[f"{'on' if overlap else 'off'}_with_a_step_in_flight"] = (in_flight[overlap]["in_flight"] -
+                                                                               before_in_flight)
         out[name] = {**compare(mix, runs[False], runs[True]), "waves": parts, "graph_captures": captures}
         print(json.dumps({"check": name, **out[name]}), flush=True)
     return out
