@@ -26,8 +26,10 @@ What runs, in this order:
 Writes ``--out`` (JSON: the check, every round, a ``summary``, hardware, versions, the command). Exits 1 when a
 completion differs in tokens or finish reason on the CPU, or when a part failed.
 
-H200 (about 2 minutes; the image's torch and transformers suffice):
-    python3 benchmarks/overlap_check.py --out $OUT/overlap-check-h200.json
+H200, about 2 minutes. The image lacks pydantic (the engine's config): carry the three parts of `.whl-flow`
+(`benchmarks/gpu/gather_wheels.py --list benchmarks/gpu/wheels-flow.txt --out .whl-flow`) and install them first:
+    for p in .whl-flow/part-*; do python3 benchmarks/gpu/install_part.py $p --target /tmp/site; done
+    PYTHONPATH=/tmp/site python3 benchmarks/overlap_check.py --out $OUT/overlap-check-h200.json
 CPU check (tiny model, a few seconds; tests/unit/benchmarks/test_overlap_check.py runs it):
     python benchmarks/overlap_check.py --smoke
 """
@@ -100,7 +102,7 @@ def request_mix(engine, vocab: int, count: int, max_tokens: int) -> list[dict]:
     async def probe_all():
         return await asyncio.gather(*[engine.generate(r["prompt"], r["params"], r["model"]) for _, r in probes])
 
-    for (i, r), (got,) in zip(probes, asyncio.run(probe_all())):
+    for (_, r), (got,) in zip(probes, asyncio.run(probe_all())):
         if "token" in r["kind"] and len(got.token_ids) > 1:
             r["params"].stop_token_ids = [got.token_ids[rng.randrange(1, len(got.token_ids))]]
         text = got.text.strip()
@@ -223,7 +225,7 @@ def summary(checked: dict, rounds: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small workloads")
     ap.add_argument("--out", type=Path, help="JSON results; default: a temporary folder with --smoke")
     ap.add_argument("--device", default=None, help="default cuda; cpu with --smoke")
@@ -240,7 +242,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from backends.inference.engine import Engine, EngineConfig
+    try:
+        from backends.inference.engine import Engine, EngineConfig
+    except ModuleNotFoundError as e:  # the H200 image has no pydantic: say how to get it before building anything
+        print(f"{e}: install benchmarks/gpu/wheels-flow.txt's parts and put them on PYTHONPATH (see --help)",
+              file=sys.stderr)
+        return 2
 
     folder, adapter, facts = build_model_folder(Path(tempfile.mkdtemp(prefix="overlap-check-")), args.smoke,
                                                 size["lora_rank"])
