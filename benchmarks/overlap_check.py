@@ -54,49 +54,59 @@ sys.path.insert(0, str(REPO))
 from benchmarks.inference import closed_loop, hardware, versions
 from benchmarks.inference_vllm import ADAPTER, SERVED, Load, build_model_folder, prompt_ids
 
-SUMMARY_KEYS = ("equal_completions", "max_logprob_diff", "tok_s_c64_off", "tok_s_c64_on", "tok_s_grpo_off",
-                "tok_s_grpo_on", "decode_ms_batch1_off", "decode_ms_batch1_on")
+SUMMARY_KEYS = ("equal_completions", "max_logprob_diff", "equal_completions_same_batches",
+                "max_logprob_diff_same_batches", "tok_s_c64_off", "tok_s_c64_on", "tok_s_grpo_off", "tok_s_grpo_on",
+                "decode_ms_batch1_off", "decode_ms_batch1_on")
 
 
 def sizes(smoke: bool) -> dict:
     """Engine and workload sizes: the H200 run's, or the CPU smoke's."""
     if smoke:
         return {"max_batch": 16, "max_seq_len": 256, "lora_rank": 4, "mix_requests": 16, "mix_max_tokens": 24,
+                "same_length_tokens": 20,
                 "waves": 3, "loads": [Load("c64", 4, 8, 16, 8), Load("grpo", 4, 4, 32, 8, n=4)],
                 "batch1": Load("batch1", 1, 1, 16, 16)}
     return {"max_batch": 256, "max_seq_len": 1024, "lora_rank": 16, "mix_requests": 48, "mix_max_tokens": 300,
+            "same_length_tokens": 200,
             "waves": 4, "loads": [Load("c64", 64, 256, 128, 128), Load("grpo", 64, 64, 512, 128, n=16,
                                                                            warmup_requests=16)],
             "batch1": Load("batch1", 1, 1, 128, 256)}
 
 
-# -- the check ----------------------------------------------------------------------------------------------------------
-def request_mix(engine, vocab: int, count: int, max_tokens: int) -> list[dict]:
-    """`count` seeded requests cycling through eight kinds, LoRA on every other one, prompts of 3-40 tokens:
-    {prompt, params, model, n, kind}. Stops come from a probe of the same request (without stops) on `engine`: a
-    stop token id drawn from its tokens, a stop string cut from its text. Tiny-random's tokenizer decodes only ids
-    < 512, so on the 0.5B shape's 151,936-token vocab a random model's text has a character every ~300 tokens: the
-    stop-string requests run to `max_tokens` (most of them get some text), and one whose probe has none gets no
-    stop string."""
+# -- the check ---------------------------------------------------------------------------------------------------------
+MIXED_KINDS = ("length", "stop_token", "stop_string", "n3_top_p_top_logprobs", "greedy_n2_top_logprobs", "eos",
+               "one_token", "top_p_stop_token")
+# every sequence ends on length at the same step: no overlapped extra rows, the same batches with overlap off and on
+SAME_LENGTH_KINDS = ("length", "n3_top_p_top_logprobs", "greedy_n2_top_logprobs", "top_p")
+
+
+def request_mix(engine, vocab: int, count: int, max_tokens: int, same_length: bool = False) -> list[dict]:
+    """`count` seeded requests cycling through `MIXED_KINDS` (`SAME_LENGTH_KINDS`, all `max_tokens` long, with
+    `same_length`), LoRA on every other one, prompts of 3-40 tokens: {prompt, params, model, n, kind}.
+
+    Stops come from a probe of the same request (without stops) on `engine`: a stop token id drawn from its tokens,
+    a stop string cut from its text. Tiny-random's tokenizer decodes only ids < 512, so on the 0.5B shape's
+    151,936-token vocab a random model's text has a character every ~300 tokens: the stop-string requests run to
+    `max_tokens` (most of them get some text), and one whose probe has none gets no stop string."""
     from backends.inference.engine import SamplingParams
 
-    rng = random.Random(0)
-    kinds = ("length", "stop_token", "stop_string", "n3_top_p_top_logprobs", "greedy_n2_top_logprobs", "eos",
-             "one_token", "top_p_stop_token")
+    rng = random.Random(int(same_length))
+    kinds = SAME_LENGTH_KINDS if same_length else MIXED_KINDS
     mix = []
     for i in range(count):
         kind = kinds[i % len(kinds)]
-        longest = {"one_token": 1, "stop_string": max_tokens}.get(kind, rng.randint(2, max_tokens))
+        longest = max_tokens if same_length else {"one_token": 1, "stop_string": max_tokens}.get(
+            kind, rng.randint(2, max_tokens))
         p = SamplingParams(max_tokens=longest, seed=1000 + i, ignore_eos=kind != "eos")
         n = {"n3_top_p_top_logprobs": 3, "greedy_n2_top_logprobs": 2}.get(kind, 1)
         if kind == "n3_top_p_top_logprobs":
             p.temperature, p.top_p, p.top_logprobs = 0.8, 0.9, 2
         elif kind == "greedy_n2_top_logprobs":
             p.temperature, p.top_logprobs = 0.0, 3
-        elif kind == "top_p_stop_token":
+        elif kind.startswith("top_p"):
             p.top_p = 0.5
-        mix.append({"prompt": prompt_ids("mix", "check", i, rng.randint(3, 40), vocab), "params": p,
-                    "model": ADAPTER if i % 2 else None, "n": n, "kind": kind})
+        prompt = prompt_ids("same" if same_length else "mix", "check", i, rng.randint(3, 40), vocab)
+        mix.append({"prompt": prompt, "params": p, "model": ADAPTER if i % 2 else None, "n": n, "kind": kind})
     probes = [(i, r) for i, r in enumerate(mix) if "stop" in r["kind"]]
 
     async def probe_all():
@@ -141,9 +151,12 @@ def compare(mix: list[dict], off: list, on: list) -> dict:
             if (a.token_ids, a.finish_reason, a.stop_reason) != (b.token_ids, b.finish_reason, b.stop_reason):
                 differing += 1
                 if first is None:
-                    first = {"request": i, "kind": r["kind"], "choice": choice, "token_index": at,
-                             "off": {"tokens": len(a.token_ids), "finish": a.finish_reason},
-                             "on": {"tokens": len(b.token_ids), "finish": b.finish_reason}}
+                    # a draw that rounding moved across a boundary of the vocab-order CDF picks a neighbouring id
+                    first = {"request": i, "kind": r["kind"], "choice": choice, "token_index": at, **{
+                        name: {"tokens": len(c.token_ids), "finish": c.finish_reason,
+                               "token_there": c.token_ids[at] if at < len(c.token_ids) else None,
+                               "logprob_there": c.logprobs[at] if at < len(c.token_ids) else None}
+                        for name, c in (("off", a), ("on", b))}}
             max_diff = max([max_diff, *(abs(x - y) for x, y in zip(a.logprobs[:at], b.logprobs[:at]))])
             ids = [[[t for t, _ in top] for top in (c.top_logprobs or [])[:at]] for c in (a, b)]
             top_ids_differ += ids[0] != ids[1]
@@ -165,24 +178,25 @@ def count_captures_in_flight(engine) -> dict:
     return counts
 
 
-def check(engines: dict, mix: list[dict], waves: int) -> dict:
-    """The mix on each engine, in waves and in one admission; compared off vs on."""
+def check(engines: dict, mix: list[dict], same_length: list[dict], waves: int) -> dict:
+    """`mix` on each engine in waves and in one admission, `same_length` in one admission; compared off vs on."""
     out = {}
     in_flight = {overlap: count_captures_in_flight(engine) for overlap, engine in engines.items()}
-    for name, parts in (("waves", waves), ("one_admission", 1)):  # waves first: fresh graphs captured mid-run
+    # waves first: fresh graphs captured mid-run
+    for name, requests, parts in (("waves", mix, waves), ("one_admission", mix, 1), ("same_batches", same_length, 1)):
         runs, captures = {}, {}
         for overlap, engine in engines.items():
             before, before_in_flight = engine.step.captures, in_flight[overlap]["in_flight"]
-            runs[overlap] = asyncio.run(arrive(engine, mix, parts))
+            runs[overlap] = asyncio.run(arrive(engine, requests, parts))
             captures["on" if overlap else "off"] = engine.step.captures - before
             captures[f"{'on' if overlap else 'off'}_with_a_step_in_flight"] = (in_flight[overlap]["in_flight"] -
                                                                                before_in_flight)
-        out[name] = {**compare(mix, runs[False], runs[True]), "waves": parts, "graph_captures": captures}
+        out[name] = {**compare(requests, runs[False], runs[True]), "waves": parts, "graph_captures": captures}
         print(json.dumps({"check": name, **out[name]}), flush=True)
     return out
 
 
-# -- throughput ---------------------------------------------------------------------------------------------------------
+# -- throughput --------------------------------------------------------------------------------------------------------
 def closed_loop_pass(engine, load: Load, vocab: int, phase: str, total: int) -> dict:
     """`load.concurrency` clients in a closed loop straight into `Engine.generate`, `total` requests."""
     from backends.inference.engine import SamplingParams
@@ -217,6 +231,9 @@ def summary(checked: dict, rounds: list[dict]) -> dict:
 
     s = {"equal_completions": all(c["differing_completions"] == 0 for c in checked.values()) if checked else None,
          "max_logprob_diff": max((c["max_logprob_diff"] for c in checked.values()), default=None)}
+    same = checked.get("same_batches", {})
+    s["equal_completions_same_batches"] = same.get("differing_completions", -1) == 0 if same else None
+    s["max_logprob_diff_same_batches"] = same.get("max_logprob_diff")
     for overlap in ("off", "on"):
         s[f"tok_s_c64_{overlap}"] = median(overlap, "c64", "tokens_per_s")
         s[f"tok_s_grpo_{overlap}"] = median(overlap, "grpo", "tokens_per_s")
@@ -288,9 +305,11 @@ def main(argv=None) -> int:
         report["timings_s"]["engines"] = round(time.monotonic() - t0, 1)
         t0 = time.monotonic()
         mix = request_mix(engines[False], vocab, size["mix_requests"], size["mix_max_tokens"])
-        report["config"]["mix"] = [{"kind": r["kind"], "prompt_tokens": len(r["prompt"]), "n": r["n"],
-                                    "lora": r["model"] is not None, **asdict(r["params"])} for r in mix]
-        report["check"] = check(engines, mix, size["waves"])
+        same_length = request_mix(engines[False], vocab, size["mix_requests"], size["same_length_tokens"], True)
+        for name, requests in (("mix", mix), ("same_length_mix", same_length)):
+            report["config"][name] = [{"kind": r["kind"], "prompt_tokens": len(r["prompt"]), "n": r["n"],
+                                       "lora": r["model"] is not None, **asdict(r["params"])} for r in requests]
+        report["check"] = check(engines, mix, same_length, size["waves"])
         report["timings_s"]["check"] = round(time.monotonic() - t0, 1)
         write()
         t0 = time.monotonic()
