@@ -207,11 +207,12 @@ def closed_loop_pass(engine, load: Load, vocab: int, phase: str, total: int) -> 
                                     load.n)
         return sum(len(c.token_ids) for c in out)
 
-    steps, seconds = engine.stats["decode_steps"], engine.stats["decode_seconds"]
+    steps, seconds, captures = engine.stats["decode_steps"], engine.stats["decode_seconds"], engine.step.captures
     _, tokens, wall = asyncio.run(closed_loop(load.concurrency, total, one))
     steps = engine.stats["decode_steps"] - steps
     return {"tokens_per_s": round(tokens / wall, 1), "output_tokens": tokens, "wall_s": round(wall, 3),
             "decode_steps": steps, "rows_per_step": round(tokens / max(steps, 1), 1),
+            "graph_captures": engine.step.captures - captures,  # a timed pass should have none: the warm-up made them
             "decode_loop_ms_per_step": round(1000 * (engine.stats["decode_seconds"] - seconds) / max(steps, 1), 4)}
 
 
