@@ -9,13 +9,16 @@ What runs, in this order:
 2. Two fresh engines in this process, overlap off and on (nothing else differs; on CUDA both replay CUDA graphs).
    The check: a seeded mix of requests (`request_mix`) with different max_tokens, stop token ids and stop strings
    (placed where a probe run on the serial engine shows the model emits them), n > 1, top logprobs, top-p < 1,
-   greedy rows, LoRA and base rows, run on each engine twice: all in one admission, and arriving in waves, each
-   wave submitted while the earlier ones decode (so the overlapped engine captures new graph buckets, batch and
-   attention length, between overlapped steps). Compared per completion: token ids and finish reasons (must be
-   equal; the count of differing completions and the first differing position are reported), top-logprob ids,
-   and the max |logprob difference|. On CUDA a step's batch bucket depends on arrival and on the overlapped
-   step's extra rows, and bf16 rounds differently per bucket: logprobs differ a little, and a token may flip
-   where a draw falls on a boundary; that is reported, not failed. On the CPU (eager, fp32) tokens must match.
+   greedy rows, LoRA and base rows, run on each engine twice: arriving in waves, each wave submitted while the
+   earlier ones decode (so the fresh overlapped engine captures new graph buckets, batch and attention length,
+   between overlapped steps; counted), then all in one admission. Compared per completion: token ids and finish
+   reasons (must be equal; the count of differing completions and the first differing position are reported),
+   top-logprob ids, and the max |logprob difference|. On CUDA a step's batch bucket depends on arrival and on the
+   overlapped step's extra rows, and bf16 rounds differently per bucket: logprobs differ a little, and a token may
+   flip where a draw falls on a boundary; that is reported, not failed. On the CPU (eager, fp32) tokens must match.
+   A third run, ``same_batches``, holds what CUDA can be held to: a mix whose sequences all end on length at the
+   same step (no extra rows, so both engines replay the same graphs on the same rows) must give the very same
+   tokens and logprobs on any device (the verdict line says whether it did).
 3. Throughput, in-process (`Engine.generate` from one event loop, no HTTP), rounds of overlap off then on on the
    same two engines after one warm-up pass each (graph captures): c=64 closed-loop clients with 128 prompt + 128
    new tokens; the GRPO shape (64 prompts of 512 tokens at once, n = 16, 128 new); and the decode loop's period at
@@ -301,7 +304,8 @@ def main(argv=None) -> int:
                   "decode loop's period.",
                   "On CUDA a step's batch bucket depends on arrival and on the overlapped step's extra rows, and bf16 "
                   "rounds differently per bucket: logprob differences, and rare token flips where a draw falls on a "
-                  "boundary, are reported, not failed. On the CPU tokens must match."]}
+                  "boundary, are reported, not failed. On the CPU tokens must match. The same_batches check (every "
+                  "sequence ends on length at one step: the same graphs on the same rows) must be exact anywhere."]}
 
     def write(partial: bool = True) -> None:
         report["summary"] = summary(report["check"], report["rounds"])
