@@ -1,8 +1,10 @@
 """The embedded engine's decode step, one variant of the forward at a time, in one process (issue 13, part 3).
 
 For each variant of `DecoderRunner` (switches that keep the maths: LoRA's A fused into the base GEMM, the per-layer
-functions through torch.compile, k and v written to the cache in one call), on the Qwen2.5-0.5B shape with random
-bf16 weights and a rank-16 LoRA on all seven projections (every row on the adapter, 4 LoRA slots):
+functions through torch.compile, k and v written to the cache in one call) and of the step (``single_slot``: every
+row's LoRA term read from its one slot, no row masks or select: `EngineConfig.single_slot_lora`), on the
+Qwen2.5-0.5B shape with random bf16 weights and a rank-16 LoRA on all seven projections (every row on the adapter,
+4 LoRA slots):
 
 - the CUDA-graph replay time of one decode step (forward + sampling) at batch 1, 64 and 256, attention length 256
   (CUDA events over 50 replays, after 3), and at batch 1 without LoRA;
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.inference import build_random_qwen, decode_kernel_profile, hardware, random_lora, versions
 
-# name -> DecoderRunner switches; "before" is the path as it was (fused q/k/v and gate/up, the CUDA default)
+# name -> DecoderRunner switches (and `single_slot`, the step's: every row on slot 0 without masks); "before" is the
+# path as it was (fused q/k/v and gate/up); "fused_a" today's CUDA default, "single_slot" that with one-slot steps
 VARIANTS = {
     "before": dict(fuse_lora_a=False, compile=False, joint_kv_write=False),
     "fused_a": dict(fuse_lora_a=True, compile=False, joint_kv_write=False),
@@ -40,6 +43,7 @@ VARIANTS = {
     "compile": dict(fuse_lora_a=False, compile=True, joint_kv_write=False),
     "compile_joint_kv": dict(fuse_lora_a=False, compile=True, joint_kv_write=True),
     "all": dict(fuse_lora_a=True, compile=True, joint_kv_write=True),
+    "single_slot": dict(fuse_lora_a=True, compile=False, joint_kv_write=False, single_slot=True),
 }
 LENGTH = 256
 POSITION = 200  # every row decodes its token 200: attention length bucket 256
@@ -58,6 +62,7 @@ def build_variant(model, info: dict, host_adapter, switches: dict, max_batch: in
     dtype, device = model.get_input_embeddings().weight.dtype, model.get_input_embeddings().weight.device
     kv = SlotKVCache(info["num_layers"], max_batch, info["num_kv_heads"], max_len, info["head_dim"], dtype, device)
     lora = LoraSlots(info["layout"], info["num_layers"], slots, dtype, device)
+    switches = {k: v for k, v in switches.items() if k != "single_slot"}
     runner = DecoderRunner(model, max_len, kv, lora, fuse=True, **switches)
     with torch.inference_mode():
         assert lora.acquire(1, lambda: host_adapter) == 0
@@ -76,23 +81,25 @@ def fill(step, batch: int, lora: bool) -> None:
     host[5, :] = 0.5
 
 
-def measure(step, batch: int, lora: bool, cuda: bool, reps: int) -> dict:
-    """First step of the bucket (its capture on CUDA), then the mean step time over `reps`."""
+def measure(step, batch: int, lora: bool, cuda: bool, reps: int, single_slot: int | None = None) -> dict:
+    """First step of the bucket (its capture on CUDA), then the mean step time over `reps`; `single_slot`: the one
+    LoRA slot of every row (no masks), None for the masked path."""
     import torch
 
+    single_slot = single_slot if lora else None
     fill(step, batch, lora)
     length = min(LENGTH, step.max_len) if cuda else POSITION + 1
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    _, raw = step.run(batch, length, lora, False)
+    _, raw = step.run(batch, length, lora, False, single_slot=single_slot)
     sync()
     first_s = time.perf_counter() - t0
     raw = raw.float().clone()
     for _ in range(3):
-        step.run(batch, length, lora, False)
+        step.run(batch, length, lora, False, single_slot=single_slot)
     sync()
     if cuda:
-        graph = step._graphs[(batch, length, lora, False)][0]
+        graph = step._graphs[(batch, length, lora, False, single_slot)][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -104,7 +111,7 @@ def measure(step, batch: int, lora: bool, cuda: bool, reps: int) -> dict:
     else:
         t0 = time.perf_counter()
         for _ in range(reps):
-            step.run(batch, length, lora, False)
+            step.run(batch, length, lora, False, single_slot=single_slot)
         ms = 1000 * (time.perf_counter() - t0) / reps
     return {"step_ms": round(ms, 4), "first_step_s": round(first_s, 3), "raw": raw}
 
@@ -115,12 +122,13 @@ def run_variant(name: str, model, info, host_adapter, args, cuda: bool, referenc
     t0 = time.perf_counter()
     runner, step, warm = build_variant(model, info, host_adapter, VARIANTS[name], args.max_batch, args.max_len,
                                        4, graphs=cuda)
+    single = 0 if VARIANTS[name].get("single_slot") else None  # the adapter sits in slot 0
     out = {"switches": VARIANTS[name], "build_and_warm_up_s": round(time.perf_counter() - t0, 2),
            "warm_up_s": round(warm, 2)}
     try:
         with torch.inference_mode():
             for batch in args.batches:
-                m = measure(step, batch, True, cuda, args.reps)
+                m = measure(step, batch, True, cuda, args.reps, single)
                 raw = m.pop("raw")
                 if batch in reference:
                     m["max_abs_logprob_diff_vs_first"] = round(float((raw - reference[batch]).abs().max()), 5)
@@ -133,7 +141,7 @@ def run_variant(name: str, model, info, host_adapter, args, cuda: bool, referenc
             if cuda:
                 shim = types.SimpleNamespace(step=step, runner=runner)
                 try:
-                    out["profile_batch_1"] = decode_kernel_profile(shim, LENGTH, lora=True)
+                    out["profile_batch_1"] = decode_kernel_profile(shim, LENGTH, lora=True, single_slot=single)
                 except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timings
                     out["profile_batch_1"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         out["compiles"] = runner.fns.compiles

@@ -20,8 +20,10 @@ With CUDA graphs, a step runs at a bucketed batch (the smallest of ``batch_bucke
 use; rows past the live ones are idle and write only to slots that no running sequence reads again: free ones, or,
 overlapped, those of sequences that end at the step before) and a bucketed attention length (a power of two
 >= the longest live position), so a handful of graphs serve all traffic. A graph is captured the first time its
-(batch, length, with-LoRA, with-top-p) combination is needed, from the real inputs of that step: the warm-up and
-capture runs repeat the very same computation, so their cache writes are idempotent. Eagerly (the CPU), a step uses
+(batch, length, with-LoRA, with-top-p, one LoRA slot) combination is needed (the slot: that of every row of a step
+whose rows all read one adapter, which then skips the row masks, `lora_slots` "One slot"; None for the masked path),
+from the real inputs of that step: the warm-up and capture runs repeat the very same computation, so their cache
+writes are idempotent. Eagerly (the CPU), a step uses
 the exact batch and length.
 """
 
@@ -107,19 +109,22 @@ class DecodeStep:
             span *= 2
         return batch, min(span, self.max_len)
 
-    def _body(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None):
+    def _body(self, batch: int, length: int, lora: bool, top_p: bool, single_slot: int | None = None,
+              lora_slots: int | None = None):
         d = self.dev[:, :batch]
         tokens, pos = d[0].long(), d[1].long()
-        lora_rows = d[2].long() if lora else None
-        logits = self.runner.decode(tokens, pos, length, lora_rows, lora_slots)
+        lora_rows = d[2].long() if lora and single_slot is None else None
+        logits = self.runner.decode(tokens, pos, length, lora_rows, lora_slots, single_slot)
         toks, lps, raw = sample(logits, d[3].float(), d[5], d[4].float() if top_p else None)
         return torch.stack((toks.double(), lps.double())), raw
 
     def launch(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
-               carry: torch.Tensor | None = None, top_rows: list[int] = (), top_k: int = 0) -> Launched:
+               carry: torch.Tensor | None = None, top_rows: list[int] = (), top_k: int = 0,
+               single_slot: int | None = None) -> Launched:
         """Queue a step of rows 0..batch-1 from `self.host` (already filled). Rows whose token is -1 take it from
         `carry` (the previous launch's `out`) on the device. Eagerly, LoRA columns are read only for slots <
-        `lora_slots`; a graph always covers every slot."""
+        `lora_slots`; a graph always covers every slot. With `single_slot` (and `lora`), every row of the step
+        gets that slot's LoRA term whatever its row in `host` says (`lora_slots` "One slot")."""
         if self._staging:
             self._staging.reverse()
             self.dev.copy_(self._staging[0].copy_(self.host), non_blocking=True)
@@ -135,9 +140,9 @@ class DecodeStep:
             self._generation = self.runner.lora.generation
             self.runner.warm_up()
         if not self.graphs:
-            out, raw = self._body(batch, length, lora, top_p, lora_slots)
+            out, raw = self._body(batch, length, lora, top_p, single_slot if lora else None, lora_slots)
             return copy_back(out, raw, list(top_rows), top_k)
-        key = (batch, length, lora, top_p)
+        key = (batch, length, lora, top_p, single_slot if lora else None)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -145,10 +150,10 @@ class DecodeStep:
         graph.replay()
         return copy_back(out, raw, list(top_rows), top_k)
 
-    def run(self, batch: int, length: int, lora: bool, top_p: bool,
-            lora_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
+            single_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`launch` and wait: ([2, batch] on the CPU, raw [batch, V] on the device)."""
-        launched = self.launch(batch, length, lora, top_p, lora_slots)
+        launched = self.launch(batch, length, lora, top_p, lora_slots, single_slot=single_slot)
         return launched.fetch()[0], launched.raw
 
     def _capture(self, key: tuple) -> tuple:

@@ -176,9 +176,10 @@ class DecoderRunner:
         if fuse_lora_a:
             lora.bind_a(lambda layer, group, cols: self.layers[layer].groups[group].append_a(cols))
 
-    def _operands(self, layer: int, masks: RowMasks | None) -> Callable[[str], Proj]:
+    def _operands(self, layer: int, rows: RowMasks | int | None) -> Callable[[str], Proj]:
+        """Layer `layer`'s `Proj` per group, with the LoRA term of `rows` (`LoraSlots.terms`; None: no LoRA)."""
         return lambda group: self.layers[layer].groups[group].operands(
-            None if masks is None else self.lora.terms(layer, group, masks))
+            None if rows is None else self.lora.terms(layer, group, rows))
 
     def _layer(self, i: int, x: torch.Tensor, residual, operands: Callable[[str], Proj], cos, sin, attend, fns,
                shape=None, stack_kv=False):
@@ -220,10 +221,14 @@ class DecoderRunner:
         return self._logits(last)
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, length: int, lora_rows: torch.Tensor | None,
-               lora_slots: int | None = None) -> torch.Tensor:
-        """tokens [B], pos [B] for slots 0..B-1, attending to cache positions < `length` -> logits [B, V] float32."""
+               lora_slots: int | None = None, single_slot: int | None = None) -> torch.Tensor:
+        """tokens [B], pos [B] for slots 0..B-1, attending to cache positions < `length` -> logits [B, V] float32.
+        With `single_slot`, every row reads that LoRA slot (no row masks; `lora_rows` is not read)."""
         B = tokens.shape[0]
-        masks = None if lora_rows is None else self.lora.row_masks(lora_rows, lora_slots)
+        if single_slot is not None:
+            masks = single_slot
+        else:
+            masks = None if lora_rows is None else self.lora.row_masks(lora_rows, lora_slots)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, D] against [B, H, D]
         visible = torch.arange(length, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
@@ -255,17 +260,20 @@ class DecoderRunner:
     def warm_up(self) -> float:
         """Compile the decode step's layer functions now (`layer_compile`, choice 4), through two layers (the first
         one's residual is zeros, the others' the MLP output) at batch 1 and batch 2 (after which the batch size is
-        symbolic), without LoRA and, once adapters are resident, with the LoRA stacks as they are. Layer 0's
-        weights, zero inputs, no cache write. Returns the seconds it took (0 when not compiling)."""
+        symbolic), without LoRA and, once adapters are resident, with the LoRA stacks as they are (masked, and one
+        slot: slot 0's; the first one-slot step on another slot compiles both functions again at its batch kind,
+        after which dynamo takes the slot's column offset as symbolic). Layer 0's weights, zero inputs, no cache
+        write. Returns the seconds it took (0 when not compiling)."""
         if not self.fns.compile or self.fns.failure is not None:
             return 0.0
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for lora in (False, True) if self.lora.rank else (False,):
+            for lora in ("none", "masked", "one_slot") if self.lora.rank else ("none",):
                 for batch in (1, 2):
                     x = torch.zeros(batch, self.embed.shape[1], dtype=self.dtype, device=self.device)
                     pos = torch.zeros(batch, dtype=torch.long, device=self.device)
-                    masks = self.lora.row_masks(pos) if lora else None  # every row on slot 0
+                    # every row on slot 0
+                    masks = {"none": None, "masked": self.lora.row_masks(pos), "one_slot": 0}[lora]
                     operands = self._operands(0, masks)
                     residual = self._zero_residual(x, operands("down"))
                     attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=self.dtype, device=self.device)

@@ -17,7 +17,8 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
   decode step over all running sequences; a sequence that finishes frees its slot at once, so nobody waits for the
   slowest sequence, and new requests join at the next iteration.
 - **Forward** (`decoder`): Llama/Qwen2/Qwen3/Mistral maths over the HF model's own weights; per-row LoRA from
-  up to ``max_loras`` resident adapters in one batch (`lora_slots`).
+  up to ``max_loras`` resident adapters in one batch (`lora_slots`); a decode step whose rows all use one adapter
+  reads that slot alone, without row masks (``single_slot_lora``).
 - **Step** (`cuda_graphs`): on CUDA, forward + sampling of a decode step replay from a CUDA graph (static KV cache,
   bucketed batch and length); on the CPU the same code runs eagerly.
 - **Overlap** (``overlap_decode``): the host work of a decode step (reading its tokens, appending them, stop checks,
@@ -109,6 +110,13 @@ class EngineConfig(BaseModel):
         "computes one discarded row in step t+1. Same completions as without. Admitting new requests waits for the "
         "step in flight. Default: on where decode steps are CUDA graphs on CUDA, off on the CPU (there the device is "
         "the same cores: nothing to overlap)."))
+    single_slot_lora: bool = Field(True, description=(
+        "A decode step whose rows all use one adapter (a GRPO step: every row on the current policy) reads only that "
+        "LoRA slot's columns: no per-row masks and no select (masked_fill_) per projection group, so 4 kernels fewer "
+        "per layer plus the step's 4 mask kernels (~100 of ~664 per step on the 24-layer 0.5B shape); costs one more "
+        "CUDA graph per (batch, length) bucket and slot in use. Mixed steps (several adapters, or base rows) keep "
+        "the masked path. Same logprobs up to float rounding (the LoRA GEMMs sum over one slot's columns instead of "
+        "all of them). Not yet measured on the H200 (benchmarks/engine_decode.py, variant single_slot)."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
@@ -233,8 +241,9 @@ class Engine:
         # decode_seconds: the engine thread's wall time in decode steps: filling, launching, waiting for and accepting
         # them. Serially that is each step's device time plus its host work; overlapped, the device time of a step
         # hides behind the previous step's host work, so decode_seconds / decode_steps is the loop's period per step.
+        # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`).
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
-                      "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
+                      "single_slot_steps": 0, "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -554,12 +563,17 @@ class Engine:
         host[4, slots] = [s.req.params.top_p for s in seqs]
         host[5, slots] = [uniform(s.seed, len(s.tokens) + lag) for s in seqs]
         lora_max = max(s.req.lora_slot for s in seqs)
+        lora_used = {s.req.lora_slot for s in seqs}
+        # One slot: every row the step computes for a sequence (a discarded extra row included) reads it. Rows of no
+        # sequence (idle bucket rows, a slot between live ones) then get that slot's delta too: never read.
+        single = lora_max if self.config.single_slot_lora and lora_used == {lora_max} and lora_max >= 0 else None
+        self.stats["single_slot_steps"] += single is not None
         use_top_p = any(s.req.params.top_p < 1 for s in seqs)
         want = [i for i, s in enumerate(seqs) if s.req.params.top_logprobs > 0]
         k = max((seqs[i].req.params.top_logprobs for i in want), default=0)
         launched = self.step.launch(batch, span, lora_max >= 0, use_top_p, lora_slots=lora_max + 1,
                                     carry=prev.launched.out if lag else None, top_rows=[slots[i] for i in want],
-                                    top_k=k)
+                                    top_k=k, single_slot=single)
         self._steps += 1
         for s in seqs:
             s.launched = self._steps

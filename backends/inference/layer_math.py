@@ -73,7 +73,8 @@ def project(x: torch.Tensor, p: Proj) -> torch.Tensor | list[torch.Tensor]:
         return y
     if p.lora.A is None:  # A is fused: its columns came out of the same GEMM, after the base outputs
         out = sum(p.out_sizes)
-        y, h = y[:, :out], y[:, out:]
+        start = out + p.lora.start
+        y, h = y[:, :out], y[:, start : start + p.lora.B.shape[0]]
     else:
         h = x @ p.lora.A
     return add_lora_(y, h, p.lora)

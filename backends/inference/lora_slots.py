@@ -29,6 +29,17 @@ in the serving dtype (`adapters.read_adapter` refuses the others at load).
 Slots: ``max_loras`` of them; an adapter is placed in a slot when a request for it is admitted, stays there while
 requests use it, and the least recently used unused slot is reused when another adapter needs room (vLLM's
 ``--max-loras`` meaning: how many adapters one batch can mix). A request whose adapter finds no free slot waits.
+
+One slot (``terms(layer, group, slot)``): when every row reads the adapter in slot ``s`` (a GRPO decode step, all
+its rows on the current policy), the select is the identity on slot ``s``'s columns ``c_s = s*M*R .. (s+1)*M*R`` and
+zeros elsewhere, so
+
+    delta(x) = (x @ A_g[:, c_s]) @ B_g[c_s]
+
+with no mask and no ``masked_fill_``: two kernels a group, or one beyond the base GEMM with fused A (``h`` is then a
+column slice of the GEMM's output). The other slots' columns are not read, so isolation holds trivially. The sum over
+``R*M`` instead of ``S*M*R`` terms (the others zeros) can round differently from the masked form where the GEMM
+blocks differently; with slot 0 and eager masks over slots < 1 the shapes, and so the numbers, are the same.
 """
 
 from __future__ import annotations
@@ -50,22 +61,26 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 class LoraTerms(NamedTuple):
     """What one group needs for its LoRA term over some rows: `A` [in, cols] (None when fused into the base GEMM),
-    `B` [cols, out], `off` [rows, cols] (the columns each row does not read); cols = slots*M*R."""
+    `B` [cols, out], `off` [rows, cols] (the columns each row does not read; None when every row reads all `cols`:
+    one slot), `start`: where the term's columns begin among the A columns of a fused GEMM's output."""
 
     A: torch.Tensor | None
     B: torch.Tensor
-    off: torch.Tensor
+    off: torch.Tensor | None
+    start: int = 0
 
 
 def add_lora_(y: torch.Tensor, h: torch.Tensor, terms: LoraTerms) -> torch.Tensor:
     """``y += where(off, 0, h) @ B`` in place, with ``h = x @ A``: the select and the one GEMM of the module
-    docstring (``h`` is overwritten)."""
-    return y.addmm_(h.masked_fill_(terms.off, 0), terms.B)
+    docstring (``h`` is overwritten); ``y += h @ B`` for one slot."""
+    return y.addmm_(h if terms.off is None else h.masked_fill_(terms.off, 0), terms.B)
 
 
 def lora_delta(x: torch.Tensor, terms: LoraTerms) -> torch.Tensor:
-    """``where(off, 0, x @ A) @ B`` as a tensor of its own, for groups whose members are separate matmuls."""
-    return (x @ terms.A).masked_fill_(terms.off, 0) @ terms.B
+    """``where(off, 0, x @ A) @ B`` (``x @ A @ B`` for one slot) as a tensor of its own, for groups whose members are
+    separate matmuls."""
+    h = x @ terms.A
+    return (h if terms.off is None else h.masked_fill_(terms.off, 0)) @ terms.B
 
 
 class RowMasks(NamedTuple):
@@ -213,9 +228,15 @@ class LoraSlots:
         off = {m: cs[: n * m * self.rank].unsqueeze(0) != row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
         return RowMasks(off)
 
-    def terms(self, layer: int, group: str, masks: RowMasks) -> LoraTerms:
-        """`group`'s LoRA operands at `layer` for the rows of `masks` (module docstring)."""
-        off = masks.off[len(GROUPS[group])]
+    def terms(self, layer: int, group: str, rows: RowMasks | int) -> LoraTerms:
+        """`group`'s LoRA operands at `layer` for the rows of `rows`: their masks, or the one slot they all read
+        (module docstring, "One slot")."""
+        if isinstance(rows, int):
+            width = len(GROUPS[group]) * self.rank
+            cols = slice(rows * width, (rows + 1) * width)
+            A = None if self.fused_a else self.A[layer][group][:, cols]
+            return LoraTerms(A, self.B[layer][group][cols], None, cols.start)
+        off = rows.off[len(GROUPS[group])]
         cols = off.shape[1]
         A = None if self.fused_a else self.A[layer][group][:, :cols]
         return LoraTerms(A, self.B[layer][group][:cols], off)
