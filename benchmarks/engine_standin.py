@@ -142,9 +142,10 @@ class StandInDecodeStep:
         return rows, length
 
     def launch(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
-               carry=None, top_rows: list[int] = (), top_k: int = 0):
+               carry=None, top_rows: list[int] = (), top_k: int = 0, single_slot: int | None = None):
         """Returns at once; the `Launched`'s fetch waits for the step's modelled end. The tokens come from the
-        uniform draws, which the host knows; `carry` (tokens on the device) is therefore not needed."""
+        uniform draws, which the host knows; `carry` (tokens on the device) is therefore not needed, nor is
+        `single_slot` (the modelled step takes as long either way)."""
         from backends.inference.cuda_graphs import copy_back
 
         u = self.host[5, :batch]
