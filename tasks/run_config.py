@@ -19,7 +19,7 @@ from agents.model import policy_name
 from agents.rewards import RewardConfig
 from agents.tracking import TrackingConfig
 from backends.modeling.devices import check_device_spelling
-from backends.training.config import TrainerConfig
+from backends.training.config import TrainerConfig, switch_from_bool
 from backends.training.sft_config import SFTConfig
 from storage.names import validate_name
 from tasks.config_errors import ConfigError, describe
@@ -102,8 +102,7 @@ class InferenceConfig(BaseModel):
     @field_validator("overlap_decode", mode="before")
     @classmethod
     def _overlap_words(cls, value):
-        # YAML and `--set` read a bare on/off as a boolean
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return switch_from_bool(value)
 
     @field_validator("vllm_command")
     @classmethod

@@ -125,6 +125,7 @@ class DecodeStep:
         `carry` (the previous launch's `out`) on the device. Eagerly, LoRA columns are read only for slots <
         `lora_slots`; a graph always covers every slot. With `single_slot` (and `lora`), every row of the step
         gets that slot's LoRA term whatever its row in `host` says (`lora_slots` "One slot")."""
+        single_slot = single_slot if lora else None
         if self._staging:
             self._staging.reverse()
             self.dev.copy_(self._staging[0].copy_(self.host), non_blocking=True)
@@ -140,9 +141,9 @@ class DecodeStep:
             self._generation = self.runner.lora.generation
             self.runner.warm_up()
         if not self.graphs:
-            out, raw = self._body(batch, length, lora, top_p, single_slot if lora else None, lora_slots)
+            out, raw = self._body(batch, length, lora, top_p, single_slot, lora_slots)
             return copy_back(out, raw, list(top_rows), top_k)
-        key = (batch, length, lora, top_p, single_slot if lora else None)
+        key = (batch, length, lora, top_p, single_slot)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key)

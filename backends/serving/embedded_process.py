@@ -32,8 +32,9 @@ class EmbeddedServerProcess(ManagedServer):
     log_prefix = "embedded-"
 
     def __init__(self, executable: list[str], model: str, served_name: str, device: str, max_loras: int,
-                 adapter_roots: list[str], overlap_decode: str = "auto", host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 log_path: str | Path | None = None, startup_timeout_s: float = 600, stop_grace_s: float = 30):
+                 adapter_roots: list[str], overlap_decode: str = "auto", host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, log_path: str | Path | None = None, startup_timeout_s: float = 600,
+                 stop_grace_s: float = 30):
         super().__init__(host=host, port=port, api_key=api_key, log_path=log_path,
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.executable = list(executable)
@@ -45,7 +46,8 @@ class EmbeddedServerProcess(ManagedServer):
         roots = [arg for root in self.adapter_roots for arg in ("--adapter-root", str(root))]
         return [*self.executable, "serve", "--model", self.model, "--served-name", self.served_name,
                 "--host", self.host, "--port", str(port), "--device", self.device,
-                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, "--quiet", "--parent-pid", str(os.getpid())]
+                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, "--quiet",
+                "--parent-pid", str(os.getpid())]
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         env = dict(base)

@@ -25,6 +25,12 @@ DEFAULT_MICRO_BATCH_TOKENS: dict[str, int] = {"cuda": 8192, "cpu": 512}
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def switch_from_bool(value):
+    """An 'auto'/'on'/'off' switch given as a bool (YAML and `--set` read a bare on/off as one): True/False mean
+    'on'/'off'; anything else is left for the field's own check."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class TrainerConfig(BaseModel):
     """How one GRPO step turns scored trajectory groups into the next LoRA adapter."""
 
@@ -306,8 +312,7 @@ class TrainerConfig(BaseModel):
     @field_validator("memory_efficient_ops", mode="before")
     @classmethod
     def _switch_from_bool(cls, value):
-        """A bool is accepted: True/False mean 'on'/'off'."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return switch_from_bool(value)
 
     @model_validator(mode="after")
     def _schedule_has_length(self) -> TrainerConfig:
