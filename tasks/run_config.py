@@ -19,7 +19,7 @@ from agents.model import policy_name
 from agents.rewards import RewardConfig
 from agents.tracking import TrackingConfig
 from backends.modeling.devices import check_device_spelling
-from backends.training.config import TrainerConfig, switch_from_bool
+from backends.training.config import Switch, TrainerConfig
 from backends.training.sft_config import SFTConfig
 from storage.names import validate_name
 from tasks.config_errors import ConfigError, describe
@@ -59,7 +59,7 @@ class InferenceConfig(BaseModel):
         "sends each rollout to one of them (the least busy; all turns of a rollout to the same one) and each publish "
         "loads and probes the adapter on every one. More replicas shorten rollouts, not the update")
     max_loras: int = Field(default=4, description="adapters resident at once; more costs memory, fewer costs reloads")
-    overlap_decode: Literal["auto", "on", "off"] = Field(
+    overlap_decode: Switch = Field(
         default="auto",
         description="embedded server: launch each decode step before the host accepts the previous one's tokens "
         "(the engine's `overlap_decode`). auto: on where decode steps are CUDA graphs, off on the CPU; `off` is the "
@@ -98,11 +98,6 @@ class InferenceConfig(BaseModel):
                              + ("already runs as a process of its own" if self.backend == "vllm"
                                 else "attaches to a server started elsewhere"))
         return self
-
-    @field_validator("overlap_decode", mode="before")
-    @classmethod
-    def _overlap_words(cls, value):
-        return switch_from_bool(value)
 
     @field_validator("vllm_command")
     @classmethod

@@ -7,9 +7,9 @@ and fix its gaps (one optimizer step per call with real gradient accumulation, e
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # Per-loss clip defaults (epsilon, epsilon_high) used when the fields are left at None.
 # CISPO: ART's [0, 5] importance-weight clip; PPO: DAPO's clip-higher; GSPO: the GSPO paper's values.
@@ -29,6 +29,10 @@ def switch_from_bool(value):
     """An 'auto'/'on'/'off' switch given as a bool (YAML and `--set` read a bare on/off as one): True/False mean
     'on'/'off'; anything else is left for the field's own check."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+# Every auto/on/off field: `--set trainer.fused_lora=off` arrives as False and means "off".
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(switch_from_bool)]
 
 
 class TrainerConfig(BaseModel):
@@ -179,7 +183,7 @@ class TrainerConfig(BaseModel):
         "defaults, rows repeated from a warm-up: no checkpointing 41.2k tokens/s at 29.8 GiB, 0.25 38.0k at "
         "24.9 GiB (benchmarks/results/training-h200.md; new rows every step: 35.0k without checkpointing).",
     )
-    memory_efficient_ops: Literal["auto", "on", "off"] = Field(
+    memory_efficient_ops: Switch = Field(
         default="auto",
         description="Swap RMSNorm and SwiGLU (Llama/Qwen-style modules) for autograd functions that store "
         "only their inputs and recompute the rest in backward; with fused_lora the whole LoRA MLP becomes one "
@@ -187,14 +191,14 @@ class TrainerConfig(BaseModel):
         "'auto': on for CUDA, off on CPU (CPU numerics stay identical to stock). See "
         "benchmarks/results/training-h200.md for tokens/s and peak memory with and without.",
     )
-    fused_lora: Literal["auto", "on", "off"] = Field(
+    fused_lora: Switch = Field(
         default="auto",
         description="Run each LoRA linear as one fused op (scaling folded into B, the adds into the matrix "
         "products) instead of peft's four extra full-width passes; same function up to rounding, peft "
         "backend only. 'auto': on for CUDA, off on CPU (keeps CPU numerics identical to peft's). H200, 1.5B, "
         "16k-token micro-batches, no checkpointing: 35.7k vs 33.0k tokens/s (benchmarks/results/training-h200.md).",
     )
-    cache_lora_casts: Literal["auto", "on", "off"] = Field(
+    cache_lora_casts: Switch = Field(
         default="auto",
         description="With fused_lora: make the compute-dtype copies of each LoRA A and `s*B` once per optimizer step "
         "(at the step's first micro-batch) instead of at every micro-batch (backends/training/kernels/"
@@ -202,7 +206,7 @@ class TrainerConfig(BaseModel):
         "held during the step). Copies are keyed by the parameters' version counters and dropped at the end of "
         "the step, so a changed weight is never read stale. 'auto': on wherever fused_lora is.",
     )
-    accumulate_lora_grads: Literal["auto", "on", "off"] = Field(
+    accumulate_lora_grads: Switch = Field(
         default="auto",
         description="With fused_lora: add each micro-batch's LoRA weight gradients straight into the float32 "
         ".grad in the matrix product's epilogue (addmm with a float32 output where torch has it, CUDA bf16) "
@@ -211,7 +215,7 @@ class TrainerConfig(BaseModel):
         "of 2 GEMMs + 5 small kernels; the product is no longer rounded to bf16 before the sum). Gradient hooks "
         "on the LoRA parameters do not fire. 'auto': on wherever fused_lora is.",
     )
-    compile_logprobs: Literal["auto", "on", "off"] = Field(
+    compile_logprobs: Switch = Field(
         default="auto",
         description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
         "(fused kernels that read each logits chunk once instead of several float32 passes); same formulas, "
@@ -219,7 +223,7 @@ class TrainerConfig(BaseModel):
         "the eager code runs, with a warning. 'auto': on for CUDA, off on CPU (where compiling costs more "
         "than it saves on small models).",
     )
-    warm_up: Literal["auto", "on", "off"] = Field(
+    warm_up: Switch = Field(
         default="auto",
         description="At set-up, run forward + backward on two synthetic packed micro-batches and drop the "
         "gradients (GRPOTrainer.warm_up: no step; adapter, optimizer and RNG untouched), so compiling the "
@@ -308,11 +312,6 @@ class TrainerConfig(BaseModel):
         and `current` differs in; a field the stored config lacks (written by an older version) is no change."""
         return [f"{k}: {stored[k]!r} -> {current.get(k)!r}" for k in cls.IDENTITY_FIELDS
                 if k in stored and stored[k] != current.get(k)]
-
-    @field_validator("memory_efficient_ops", mode="before")
-    @classmethod
-    def _switch_from_bool(cls, value):
-        return switch_from_bool(value)
 
     @model_validator(mode="after")
     def _schedule_has_length(self) -> TrainerConfig:

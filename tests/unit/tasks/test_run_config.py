@@ -175,3 +175,18 @@ def test_the_form_starts_with_the_knobs_most_people_change():
     # the internals come last, each a section of its own
     assert properties[-5:] == ["rollouts", "inference", "training", "retention", "tracking"]
     assert set(properties) == set(RunConfig.model_fields)  # reordered, none renamed
+
+
+def test_every_auto_on_off_switch_takes_a_bare_on_or_off():
+    """YAML and `--set` read a bare on/off as a bool: every auto/on/off field of the run's config maps it back."""
+    fields = [f"trainer.{name}" for name, info in RunConfig.model_fields["trainer"].annotation.model_fields.items()
+              if "'auto', 'on', 'off'" in str(info.annotation)]
+    fields.append("inference.overlap_decode")
+    assert len(fields) >= 7, fields  # the trainer's six switches and the server's overlap_decode
+    for word in ("on", "off"):
+        cfg = load_config("configs/tiny.yaml", [f"{f}={word}" for f in fields])
+        for f in fields:
+            section, name = f.split(".")
+            assert getattr(getattr(cfg, section), name) == word, f
+    with pytest.raises(ConfigError, match="trainer.fused_lora: input should be 'auto', 'on' or 'off', got 'maybe'"):
+        load_config("configs/tiny.yaml", ["trainer.fused_lora=maybe"])
