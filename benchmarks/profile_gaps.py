@@ -13,7 +13,8 @@
    ``gemm``), and the top kernels by total time with their counts.
 3. Host: per thread, the time inside torch ops (their union), inside kernel launches and inside synchronisations;
    per micro-batch, its wall, launches and the time no thread was inside a torch op (Python and the C++ between
-   ops). The step thread's own CPU seconds come from the caller (``time.thread_time``), not from the trace.
+   ops). The step thread's own CPU seconds come from the caller (``time.thread_time``), not from the trace; they
+   include the time it spun inside a synchronisation (CUDA spins before it yields), which ``sync_ms`` bounds.
 
 A trace without device events (a CPU-only profile) gets its host figures and says so instead of the device ones.
 
