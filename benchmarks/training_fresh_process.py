@@ -15,7 +15,12 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
   one that paid the cold start);
 - ``steady_tok_s``: the same over the last ``--steady-steps`` steps (steps under ``--profile-steps`` left out of both);
 - per step: wall, GPU-busy time (CUDA events around the step), process CPU seconds, cudaMalloc calls, Dynamo
-  graph count and compile seconds, so a slow step says whether it waited for the GPU, compiled or allocated.
+  graph count and compile seconds, so a slow step says whether it waited for the GPU, compiled or allocated;
+- per ``--profile-steps`` step: syncs, launches and op counts (``profile_counts``) and where the step's wall time
+  goes that no kernel uses (``profile_gaps``, ``benchmarks/profile_gaps.py``: the GPU's busy and idle time, its
+  largest idle gaps with what the host ran, CUDA time by category, the host threads' time and the step thread's
+  CPU seconds); ``--profile-shapes`` records the ops' input shapes (splits GEMMs into base and LoRA-sized, at some
+  host cost), ``--profile-stack`` the Python stacks (names the Python function open at each gap; costlier).
 
 Each configuration runs as its own child process (``--child``), one after another, never two at once. The
 compile cache (``TORCHINDUCTOR_CACHE_DIR``) is a fresh empty folder for ``cold-cache`` runs and the folder a
@@ -36,6 +41,10 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
         --out $OUT/training-fresh-auto-h200.json
 
+    # where the ~0.4 s a step that no kernel uses goes (GPU idle gaps, CUDA time by category, host time)
+    python benchmarks/training_fresh_process.py --steps 6 --steady-steps 2 --profile-steps 4 --profile-shapes \\
+        --runs defaults+warm-up:cold-cache --out $OUT/training-fresh-gaps-h200.json
+
     # the LoRA projections' per-micro-batch work: now (defaults) against before (casts and autograd's grads per
     # micro-batch), each profiled at step 5 (syncs, launches, op counts, device time in the summary's ``profiled``)
     RUNS=defaults+warm-up:cold-cache,lora-per-micro-batch+warm-up:cold-cache
@@ -48,6 +57,7 @@ forward, so 3x that forward + backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections import Counter
 import os
@@ -115,6 +125,7 @@ def child(args) -> None:
     t_start = time.time()
     import torch
 
+    from benchmarks import profile_gaps
     from benchmarks.training import QWEN25_15B, TINY, build_model, synthetic_groups
     from backends.modeling.loading import build_tiny_tokenizer
     from backends.training.config import TrainerConfig
@@ -169,13 +180,17 @@ def child(args) -> None:
             torch.cuda.synchronize()
             ev0.record()
         graphs0, comp0, cpu0 = counters["stats"]["unique_graphs"], compile_seconds(), cpu_seconds()
-        prof = None
+        prof, marked = None, contextlib.nullcontext()
         if k in args.profile_steps:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+                                          record_shapes=args.profile_shapes, with_stack=args.profile_stack)
             prof.__enter__()
-        t0 = time.perf_counter()
-        m = trainer.train_step(data[k])
+            marked = torch.profiler.record_function(profile_gaps.STEP)
+        t0, thread0 = time.perf_counter(), time.thread_time()
+        with marked:
+            m = trainer.train_step(data[k])
+        thread_cpu = time.thread_time() - thread0
         if cuda:
             ev1.record()
             torch.cuda.synchronize()
@@ -195,6 +210,8 @@ def child(args) -> None:
             prof.__exit__(None, None, None)
             table = prof.key_averages()
             rec["profile_counts"] = profile_counts(table)
+            rec["profile_gaps"] = profile_gaps.summarise(profile_gaps.trace_events(prof), step_thread_cpu_s=thread_cpu,
+                                                         lora_dim=cfg.lora_rank)
             rec["profile_by_cpu"] = table.table(sort_by="self_cpu_time_total", row_limit=25)
             if cuda:
                 rec["profile_by_cuda"] = table.table(sort_by="self_cuda_time_total", row_limit=25)
@@ -243,6 +260,8 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "steady_steps": [s.index(x) for x in window],
         # per profiled step: syncs, launches, op counts and summed device time (profile_counts)
         "profiled": {x["step"]: x["profile_counts"] for x in s if "profile_counts" in x},
+        # per profiled step: GPU busy/idle and its gaps, CUDA time by category, host time (profile_gaps)
+        "profiled_gaps": {x["step"]: x["profile_gaps"] for x in s if "profile_gaps" in x},
     }
 
 
@@ -261,6 +280,8 @@ def main() -> None:
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile-steps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="comma list of steps to run under torch.profiler (diagnosis; slows those steps)")
+    ap.add_argument("--profile-shapes", action="store_true", help="profiled steps record input shapes")
+    ap.add_argument("--profile-stack", action="store_true", help="profiled steps record Python stacks")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -281,7 +302,9 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", "--config", config, "--child-out", str(child_out),
                "--steps", str(args.steps), "--step-tokens", str(args.step_tokens),
                "--micro-batch-tokens", str(args.micro_batch_tokens),
-               "--profile-steps", ",".join(map(str, args.profile_steps))] + (["--smoke"] if args.smoke else [])
+               "--profile-steps", ",".join(map(str, args.profile_steps))] + (["--smoke"] if args.smoke else []) \
+            + [flag for flag, on in (("--profile-shapes", args.profile_shapes), ("--profile-stack", args.profile_stack))
+               if on]
         print(f"== {config}, {cache}", flush=True)
         spawned = time.time()
         rc = subprocess.Popen(cmd, env=env).wait()

@@ -10,10 +10,15 @@ One ``train_step(groups)`` call is exactly one optimizer step:
    where each micro-batch's freed activations go back to the OS before the next: ``backends.modeling.host_memory``);
 4. optional KL shaping: a no-grad pass with the adapter on and one with it off (peft's
    ``disable_adapter()``: the base model is the reference, no second copy in memory);
-5. per micro-batch: decoder hidden states, chunked logprobs of the trained tokens only, the loss,
-   backward (gradients accumulate); nothing waits for the device until the last micro-batch is launched, when
-   every micro-batch's metrics are read in one transfer (tests/unit/backends/training/test_host_syncs.py);
+5. per micro-batch: its packing (step 3 plans the bins; each is packed just before its forward, while the GPU still
+   runs the previous micro-batch's backward), decoder hidden states, chunked logprobs of the trained tokens only, the
+   loss, backward (gradients accumulate); nothing waits for the device until the last micro-batch and the gradient
+   norm are launched, when the norm and every micro-batch's metrics are read in one transfer
+   (tests/unit/backends/training/test_host_syncs.py);
 6. gradient norm (clipped), AdamW step, LR schedule step.
+
+Each phase is a profiler range (``step_phases``: prepare, one per micro-batch, update), so a profile places every
+kernel and every idle gap of the GPU in one (``benchmarks/profile_gaps.py``).
 
 Data-parallel (a rank of a torchrun job, ``backends/training/distributed.py``): steps 1-2 see every row, step 3
 packs only this rank's share, and the LoRA gradients and the step's sums are summed over the ranks before step 6,
@@ -61,6 +66,7 @@ from backends.training.attention_choice import AttentionChoice
 from backends.training.packed_attention import (PackedAttention, build_row_plans, install_varlen_attention,
                                                packed_forward, prepared_mask)
 from backends.training.packing import MicroBatch, make_micro_batch, plan_bins
+from backends.training.step_phases import MICRO_BATCH, PREPARE, UPDATE, phase
 from backends.training.token_rows import TrainingRow, build_rows
 from backends.training.unsloth_loader import choose_backend, load_with_unsloth
 
@@ -97,15 +103,17 @@ class _StepStats:
         self.micro_batches = 0
 
     @staticmethod
-    def read(done) -> list[dict[str, float]]:
-        """Each micro-batch's loss, entropy sum and ``LossResult`` sums (``done``: (res, entropy_sum) pairs), read
-        from the device in ONE transfer for the whole step."""
-        if not done:  # data-parallel: a rank with no rows this step
-            return []
+    def read(done, extra: Sequence[torch.Tensor] = ()) -> tuple[list[dict[str, float]], list[float]]:
+        """Each micro-batch's loss, entropy sum and ``LossResult`` sums (``done``: (res, entropy_sum) pairs) and the
+        scalars ``extra``, read from the device in ONE transfer for the whole step."""
+        if not done and not extra:  # data-parallel: a rank with no rows this step
+            return [], []
         names = ("loss", "entropy", *LossResult.NAMES)
-        rows = torch.stack([torch.cat([res.loss.detach().float().reshape(1), entropy_sum.float().reshape(1),
-                                       res.stats.float()]) for res, entropy_sum in done]).tolist()
-        return [dict(zip(names, row)) for row in rows]
+        flat = torch.cat([torch.cat([res.loss.detach().float().reshape(1), entropy_sum.float().reshape(1),
+                                     res.stats.float()]) for res, entropy_sum in done]
+                         + [t.detach().float().reshape(1) for t in extra]).tolist()
+        n = len(names)
+        return [dict(zip(names, flat[k * n:(k + 1) * n])) for k in range(len(done))], flat[len(done) * n:]
 
     def add(self, values: dict[str, float], tokens: int) -> None:
         """One micro-batch's values (``read``) and trained-token count."""
@@ -388,47 +396,60 @@ class GRPOTrainer:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        rows, stats = build_rows(groups, max_row_tokens=cfg.max_row_tokens, overlong=cfg.overlong,
-                                 scale_rewards=cfg.scale_rewards)
-        metrics = stats.as_metrics()
-        if not rows:
-            metrics.update(no_trainable_rows=1.0, step=float(self.step), trained_tokens=0.0, tokens=0.0)
-            return metrics
-        assign_aggregation_weights(rows, cfg.aggregation, cfg.dr_grpo_norm or cfg.max_row_tokens)
-        self._check_vocabulary(rows)  # every rank judges every row: a bad one stops all of them alike
-        rank, world_size = distributed.world()
-        if world_size > 1:  # data-parallel: this rank's share of the rows (backends/training/distributed.py)
-            rows_here = [rows[i] for i in distributed.split_rows([len(r) for r in rows], world_size)[rank]]
-        else:
-            rows_here = rows
-        batches = self._micro_batches(rows_here)
+        with phase(PREPARE):
+            rows, stats = build_rows(groups, max_row_tokens=cfg.max_row_tokens, overlong=cfg.overlong,
+                                     scale_rewards=cfg.scale_rewards)
+            metrics = stats.as_metrics()
+            if not rows:
+                metrics.update(no_trainable_rows=1.0, step=float(self.step), trained_tokens=0.0, tokens=0.0)
+                return metrics
+            assign_aggregation_weights(rows, cfg.aggregation, cfg.dr_grpo_norm or cfg.max_row_tokens)
+            self._check_vocabulary(rows)  # every rank judges every row: a bad one stops all of them alike
+            rank, world_size = distributed.world()
+            if world_size > 1:  # data-parallel: this rank's share of the rows (backends/training/distributed.py)
+                rows_here = [rows[i] for i in distributed.split_rows([len(r) for r in rows], world_size)[rank]]
+            else:
+                rows_here = rows
+            bins = plan_bins([len(r) for r in rows_here], self.micro_batch_tokens, pack=self.packed)
         eps, eps_high = cfg.clip_range()
         acc = _StepStats()
+        batches: list[MicroBatch] = []
         with self.lora_casts_scope():
-            if cfg.kl_coef > 0:
+            if cfg.kl_coef > 0:  # the reference passes run over every micro-batch first: all packed now
+                batches = [make_micro_batch([rows_here[i] for i in b], self.device) for b in bins]
                 metrics["kl_policy_ref"] = self._shape_advantages(batches)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
-            done = [self._micro_batch_step(mb, eps, eps_high) for mb in batches]
-        values = _StepStats.read(done)  # after the loop, once: no host sync between micro-batches
-        bad = next((mb for mb, v in zip(batches, values) if not math.isfinite(v["loss"])), None)
-        for (res, _), v in zip(done, values):
-            acc.add(v, res.tokens)
-        if world_size > 1:
-            acc.all_reduce(self._params)
-        if not math.isfinite(acc.loss):
+            done = []
+            for k, b in enumerate(bins):
+                with phase(MICRO_BATCH):
+                    if k == len(batches):  # packed while the GPU still runs the previous micro-batch's backward
+                        batches.append(make_micro_batch([rows_here[i] for i in b], self.device))
+                    done.append(self._micro_batch_step(batches[k], eps, eps_high))
+        with phase(UPDATE):
+            # one process: the gradient norm (and its clipping) is queued behind the last backward and read with the
+            # metrics, so the host waits for the device once; data-parallel sums the gradients over the ranks first
+            norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf) if world_size == 1 else None
+            values, extra = _StepStats.read(done, [] if norm is None else [norm])  # no sync between micro-batches
+            bad = next((mb for mb, v in zip(batches, values) if not math.isfinite(v["loss"])), None)
+            for (res, _), v in zip(done, values):
+                acc.add(v, res.tokens)
+            if world_size > 1:
+                acc.all_reduce(self._params)
+            if not math.isfinite(acc.loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                where = f"the micro-batch of: {bad.sources()}" if bad is not None else "another rank's rows"
+                raise FloatingPointError(f"non-finite loss ({acc.loss}) in {where}")
+            grad_norm = extra[0] if norm is not None else float(
+                torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf))
+            if not math.isfinite(grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); no optimizer step was taken")
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            where = f"the micro-batch of: {bad.sources()}" if bad is not None else "another rank's rows"
-            raise FloatingPointError(f"non-finite loss ({acc.loss}) in {where}")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); no optimizer step was taken")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+            self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         peak = self._peak_memory_gib()  # data-parallel: this rank's

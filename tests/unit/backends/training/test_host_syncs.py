@@ -121,7 +121,7 @@ def test_a_steps_device_reads_do_not_grow_with_its_micro_batches(tiny_model_path
     (one, many) = sorted(totals)
     assert one == 1 and many >= 3
     assert totals[one] == totals[many]
-    assert totals[many] == {"tolist": 1, "_local_scalar_dense": 1}  # the metrics, all at once; the gradient norm
+    assert totals[many] == {"tolist": 1}  # the metrics and the gradient norm, all at once
 
 
 def test_a_micro_batch_reaches_the_device_in_two_copies(monkeypatch):
@@ -142,3 +142,42 @@ def test_a_micro_batch_reaches_the_device_in_two_copies(monkeypatch):
     assert mb.weights.tolist() == pytest.approx([0.1, 0.1, 0.2])
     assert mb.spans.lengths == (4, 3) and mb.spans.max_len == 4
     assert mb.spans.cu_seqlens.dtype == torch.int32 and mb.spans.cu_seqlens.tolist() == [0, 4, 7]
+
+
+def test_each_micro_batch_is_packed_just_before_its_own_forward(tiny_model_path, monkeypatch):
+    """The host packs micro-batch k+1 after launching micro-batch k's backward (the GPU still runs it), not all of them
+    before the first kernel; with KL shaping the reference passes need every micro-batch first."""
+    from backends.training import trainer as trainer_module
+
+    for kl_coef in (0.0, 0.1):
+        trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(micro_batch_tokens=8, kl_coef=kl_coef))
+        order = []
+        pack, step = trainer_module.make_micro_batch, trainer._micro_batch_step
+        monkeypatch.setattr(trainer_module, "make_micro_batch", lambda *a: order.append("pack") or pack(*a))
+        monkeypatch.setattr(trainer, "_micro_batch_step", lambda *a: order.append("step") or step(*a))
+        n = int(trainer.train_step(GROUPS)["micro_batches"])
+        assert n >= 3
+        assert order == (["pack", "step"] * n if kl_coef == 0 else ["pack"] * n + ["step"] * n)
+        monkeypatch.undo()
+
+
+def test_the_step_is_the_same_update_as_the_plain_sequence(tiny_model_path):
+    """Clipping before the metrics' read (one transfer for both) takes the same step as: every micro-batch's
+    backward, the clipped gradient norm read on its own, AdamW."""
+    cfg = TrainerConfig(micro_batch_tokens=8, grad_clip=1e-4, learning_rate=1e-3, max_row_tokens=64,
+                        aggregation="sequence_mean", overlong="drop", scale_rewards=True)
+    ours, plain = GRPOTrainer(str(tiny_model_path), cfg), GRPOTrainer(str(tiny_model_path), cfg)
+    metrics = ours.train_step(GROUPS)
+
+    eps, eps_high = cfg.clip_range()
+    plain.model.train()
+    plain.optimizer.zero_grad(set_to_none=True)
+    with plain.lora_casts_scope():
+        for mb in plain.micro_batches(step_rows(GROUPS)):
+            plain._micro_batch_step(mb, eps, eps_high)
+    norm = float(torch.nn.utils.clip_grad_norm_(plain.trainable_parameters, cfg.grad_clip))
+    plain.optimizer.step()
+    assert norm > cfg.grad_clip  # the clip bites
+    assert metrics["grad_norm"] == norm
+    for a, b in zip(ours.trainable_parameters, plain.trainable_parameters, strict=True):
+        assert torch.equal(a, b)
