@@ -26,6 +26,9 @@ Choices:
   Qwen2.5-1.5B shape (hidden 1536, intermediate 8960, r 16) only the MLP's gate and up do (2 x 8960 > 1536 + 32);
   q, o (1536 -> 1536), k, v (-> 256) and down (8960 -> 1536) do not. 'auto' folds only those; 'on' folds every
   fusable module (the CPU tests' way to cover each form).
+- Gate and up fold as one group only inside the fused SwiGLU op (``memory_efficient_ops``); without it each folds
+  alone, and each keeps its own xz: one more copy of x per layer kept for backward than the unfolded ops, which
+  share x.
 - The buffer's dtype is the weight's: a call whose compute dtype differs, or whose adapter's rank is not the one the
   buffer was built for, runs the unfolded op on the weight view (same function).
 - Where the trainer shares its base weights with an engine of the process (``backends.modeling.shared_weights``), the
@@ -69,9 +72,9 @@ class FoldedWeight:
     offset: int
     rank: int
     width: int
-    # the (sB)_c last written into the tail, and its version: the same tensor again means the tail is current
+    # the (sB)_c last written into the tail, held so that its id is never reused: the same tensor again means the
+    # tail is current (cast copies are made inside the ops and never written in place)
     _written: torch.Tensor | None = field(default=None, repr=False)
-    _written_version: int = -1
 
     @property
     def tail(self) -> torch.Tensor:
@@ -83,10 +86,10 @@ class FoldedWeight:
         return sb.dtype == self.buffer.dtype and tuple(sb.shape) == (self.buffer.shape[0], self.rank)
 
     def extended(self, sb: torch.Tensor) -> torch.Tensor:
-        """W_ext = [W | .. (sB)_c ..], the tail rewritten unless ``sb`` is the tensor last written, unchanged."""
-        if self._written is not sb or self._written_version != sb._version:
+        """W_ext = [W | .. (sB)_c ..], the tail rewritten unless ``sb`` is the tensor last written."""
+        if self._written is not sb:
             self.tail.copy_(sb)
-            self._written, self._written_version = sb, sb._version
+            self._written = sb
         return self.buffer
 
 
