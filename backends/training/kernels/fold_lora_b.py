@@ -29,8 +29,9 @@ Choices:
 - Gate and up fold as one group only inside the fused SwiGLU op (``memory_efficient_ops``); without it each folds
   alone, and each keeps its own xz: one more copy of x per layer kept for backward than the unfolded ops, which
   share x.
-- The buffer's dtype is the weight's: a call whose compute dtype differs, or whose adapter's rank is not the one the
-  buffer was built for, runs the unfolded op on the weight view (same function).
+- The buffer's dtype is the weight's: a call whose compute dtype differs, whose adapter's rank is not the one the
+  buffer was built for, or whose module's weight no longer lives in the buffer (``Module.to`` and the like give it
+  a tensor of its own) runs the unfolded op on the module's weight (same function).
 - Where the trainer shares its base weights with an engine of the process (``backends.modeling.shared_weights``), the
   folded modules' weights become the trainer's own copies (the engine's are left untouched): the memory of those
   modules' weights once more.
@@ -81,9 +82,11 @@ class FoldedWeight:
         start = self.in_features + self.offset
         return self.buffer[:, start:start + self.rank]
 
-    def fits(self, sb: torch.Tensor) -> bool:
-        """Whether this (sB)_c can be folded here: the buffer's dtype and this module's rank."""
-        return sb.dtype == self.buffer.dtype and tuple(sb.shape) == (self.buffer.shape[0], self.rank)
+    def fits(self, weight: torch.Tensor, sb: torch.Tensor) -> bool:
+        """Whether a call can run folded: ``weight`` still lives in the buffer (nothing gave the module another
+        tensor since) and ``sb`` has the buffer's dtype and this module's rank."""
+        return (weight.device == self.buffer.device and weight.data_ptr() == self.buffer.data_ptr()
+                and sb.dtype == self.buffer.dtype and tuple(sb.shape) == (self.buffer.shape[0], self.rank))
 
     def extended(self, sb: torch.Tensor) -> torch.Tensor:
         """W_ext = [W | .. (sB)_c ..], the tail rewritten unless ``sb`` is the tensor last written."""
@@ -91,6 +94,16 @@ class FoldedWeight:
             self.tail.copy_(sb)
             self._written = sb
         return self.buffer
+
+
+def runs_folded(folds, weights, sbs) -> bool:
+    """Whether modules run as one folded group: folded together in this order (offsets 0, r_1, r_1 + r_2, ...) and
+    every call fits (``FoldedWeight.fits``); one module is a group of one."""
+    if any(f is None for f in folds):
+        return False
+    offsets = [sum(f.rank for f in folds[:i]) for i in range(len(folds) + 1)]
+    return all(f.width == offsets[-1] and f.offset == o and f.fits(w, sb)
+               for f, o, w, sb in zip(folds, offsets, weights, sbs))
 
 
 def pays(outs: list[int], in_features: int, ranks: list[int]) -> bool:

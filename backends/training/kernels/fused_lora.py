@@ -34,6 +34,7 @@ from backends.training.kernels.fold_lora_b import (
     folded_input_grad,
     folded_of,
     folded_product,
+    runs_folded,
 )
 from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
 from backends.training.kernels.lora_grad_accumulation import accumulate
@@ -107,11 +108,6 @@ def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = Tr
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
-def _alone(fold: FoldedWeight | None, sb: torch.Tensor) -> bool:
-    """Whether a module runs folded on its own: folded alone (not in a group's buffer) and ``sb`` fits it."""
-    return fold is not None and fold.width == fold.rank and fold.fits(sb)
-
-
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime,
@@ -119,7 +115,7 @@ class _LoraLinear(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
-            ctx.folded = _alone(fold, sb)
+            ctx.folded = runs_folded([fold], [weight], [sb])
             if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
                 xz, _ = fold_input(x2, a)
                 y = folded_product(xz, fold.extended(sb), b)

@@ -49,7 +49,7 @@ from backends.training.kernels.fused_lora import (
     lora_input_grad,
     lora_param_grads,
 )
-from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product
+from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
 from backends.training.kernels.torch_compile import kernel
 
 
@@ -112,18 +112,6 @@ class _SiluMul(torch.autograd.Function):
         return (*kernel(_silu_mul_grads, ctx.compile)(grad, gate, up), None)
 
 
-def _folds_pair(gate_fold, gate_sb, up_fold, up_sb) -> bool:
-    """Whether gate and up run as one folded group: folded together (gate's (sB)_c first) and their casts fit."""
-    if gate_fold is None or up_fold is None:
-        return False
-    return (gate_fold.width == up_fold.width == gate_fold.rank + up_fold.rank and gate_fold.offset == 0
-            and up_fold.offset == gate_fold.rank and gate_fold.fits(gate_sb) and up_fold.fits(up_sb))
-
-
-def _folds_alone(fold, sb) -> bool:
-    return fold is not None and fold.width == fold.rank and fold.fits(sb)
-
-
 class _LoraSwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; see the module docstring for what is stored."""
 
@@ -136,8 +124,8 @@ class _LoraSwiGLU(torch.autograd.Function):
             gw, _, ga, gsb = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
             uw, _, ua, usb = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)
             dw, _, da, dsb = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
-            ctx.fold_pair = _folds_pair(gate_fold, gsb, up_fold, usb)
-            ctx.fold_down = _folds_alone(down_fold, dsb)
+            ctx.fold_pair = runs_folded([gate_fold, up_fold], [gate_w, up_w], [gsb, usb])
+            ctx.fold_down = runs_folded([down_fold], [down_w], [dsb])
             a_pair = None
             if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
                 a_pair = torch.cat([ga, ua])

@@ -68,6 +68,7 @@ def test_folded_linear_equals_unfolded(runtime):
         runs[folded] = (out.detach(), grads)
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
     _close(runs[True][1], runs[False][1], ("dx", "dA", "dB"))
+    assert layer._trajflow_fold._written is not None  # the folded product ran
     assert layer.weight.shape == (20, 12) and not layer.weight.requires_grad
     assert layer.weight.data_ptr() == layer._trajflow_fold.buffer.data_ptr()
 
@@ -81,6 +82,20 @@ def test_folded_linear_without_an_input_gradient():
     fold = fold_linears([layer], [3])[0]
     got = torch.autograd.grad((lora_linear(x, layer.weight, None, a, b, 2.0, fold=fold) * upstream).sum(), (a, b))
     _close(got, want, ("dA", "dB"))
+    assert fold._written is not None
+
+
+def test_a_weight_given_another_tensor_runs_unfolded_on_it():
+    g = torch.Generator().manual_seed(5)
+    layer = _linear(g, 9, 6)
+    a, b = _masters(g, 9, 6, 3)
+    fold = fold_linears([layer], [3])[0]
+    layer.weight.data = layer.weight.data * 2  # what Module.to / _apply do: the Parameter gets a tensor of its own
+    x = torch.randn(4, 6, generator=g)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias) + (x @ a.t() @ b.t()) * 0.5
+    got = lora_linear(x, layer.weight, layer.bias, a, b, 0.5, fold=fold)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fold._written is None  # never folded
 
 
 def _swiglu_parts(g, hidden, inter, rank):
@@ -114,6 +129,8 @@ def test_folded_swiglu_equals_unfolded(runtime, fold_down):
         runs[folded] = (out.detach(), grads)
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
     _close(runs[True][1], runs[False][1], ("dx", "gate dA", "gate dB", "up dA", "up dB", "down dA", "down dB"))
+    assert [hasattr(lin, "_trajflow_fold") and lin._trajflow_fold._written is not None for lin in linears] == [
+        True, True, fold_down]  # the folded products ran
 
 
 def test_the_tail_is_written_from_each_new_cast_and_never_stale():
@@ -161,6 +178,11 @@ def test_pays_and_auto_folds_only_the_mlps_gate_and_up(tiny_model_path):
     assert fold_model(trainer._lm, fusable_parts, only_where_it_pays=False) == 10  # the rest; gate, up not twice
 
 
+def _folds(trainer) -> list[FoldedWeight]:
+    return [m._trajflow_fold for m in trainer._lm.modules() if isinstance(getattr(m, "_trajflow_fold", None),
+                                                                          FoldedWeight)]
+
+
 def _run(tiny_model_path, tmp_path=None, **cfg):
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**cfg))
     grads = record_gradients(trainer)
@@ -171,6 +193,7 @@ def _run(tiny_model_path, tmp_path=None, **cfg):
         trainer.load_checkpoint(tmp_path / "after2")
         metrics.append(trainer.train_step(GROUPS))
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert len(_folds(trainer)) == trainer.folded_lora_layers and all(f._written is not None for f in _folds(trainer))
     return trainer, metrics, weights, grads
 
 
