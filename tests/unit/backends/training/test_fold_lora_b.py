@@ -273,3 +273,24 @@ def test_the_docstrings_byte_table_is_what_saved_bytes_computes():
     assert round(saved_bytes(16384, 1536, [1536], [16])["net"] / 1e6, 1) == 49.8
     assert round(saved_bytes(16384, 1536, [256], [16])["net"] / 1e6, 1) == -76.0
     assert round(saved_bytes(16384, 8960, [1536], [16])["net"] / 1e6, 1) == -436.7
+
+
+def test_peft_merges_into_and_out_of_a_folded_weight(tiny_model_path):
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on", fold_lora_b="on", learning_rate=1e-2))
+    trainer.train_step(GROUPS)  # B is no longer zero
+    ids = torch.tensor([[5, 6, 7, 8, 10, 11]])
+    weights = {n: p.detach().clone() for n, p in trainer._lm.named_parameters() if "base_layer" in n}
+    with torch.no_grad():
+        folded = trainer.model(input_ids=ids).logits
+        trainer.model.merge_adapter()  # W += s B A, into the weight as the module holds it
+        merged = trainer.model(input_ids=ids).logits
+        trainer.model.unmerge_adapter()
+        again = trainer.model(input_ids=ids).logits
+    torch.testing.assert_close(merged, folded, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, folded, rtol=1e-4, atol=1e-5)
+    for n, p in trainer._lm.named_parameters():
+        if n in weights:
+            torch.testing.assert_close(p, weights[n], rtol=0, atol=1e-6, msg=n)
+    # peft merged in place: the weights still live in their buffers, so the next forwards run folded
+    assert all(m.weight.data_ptr() == m._trajflow_fold.buffer.data_ptr() for m in trainer._lm.modules()
+               if isinstance(getattr(m, "_trajflow_fold", None), FoldedWeight))
