@@ -152,6 +152,8 @@ def fold_model(model, parts_of, only_where_it_pays: bool) -> int:
         parts = [parts_of(layer) for layer in group]
         if any(p is None or p.fold is not None for p in parts) or len({p.weight.shape[1] for p in parts}) != 1:
             continue
+        if len(group) > 1 and any(p.bias is not None for p in parts):  # the fused MLP op runs bias-free ones only
+            continue
         outs, ranks = [p.weight.shape[0] for p in parts], [p.lora_a.shape[0] for p in parts]
         if only_where_it_pays and not pays(outs, parts[0].weight.shape[1], ranks):
             continue
@@ -173,7 +175,7 @@ def folded_product(xz: torch.Tensor, w_ext: torch.Tensor, bias: torch.Tensor | N
 
 def folded_input_grad(grads, w_exts, in_features: int, a_cat: torch.Tensor):
     """(dx, dz) = (dx_base + dz A, dz) from [dx_base | dz] = sum_i g_i W_ext,i; dx is a view of one [T, in + R]
-    buffer, dz its last R columns."""
+    buffer, dz its last R columns (dx is not copied out: a contiguous copy would move [T, in] once more)."""
     dxz = grads[0] @ w_exts[0]
     for g, w in zip(grads[1:], w_exts[1:]):
         dxz.addmm_(g, w)
