@@ -51,6 +51,11 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 8 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
         --out $OUT/training-fresh-loragrad-h200.json
 
+    # LoRA's B product folded into the gate/up GEMMs (defaults) against not folded, and folded everywhere
+    RUNS=fold-off+warm-up:cold-cache,defaults+warm-up:cold-cache,fold-everywhere+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 6 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-fold-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -89,6 +94,10 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
     "no-cast-cache+warm-up": {"cache_lora_casts": "off"},
     "autograd-lora-grads+warm-up": {"accumulate_lora_grads": "off"},
+    # LoRA's B product folded into the base GEMM where the output is wide (defaults on CUDA: the MLP's gate and up)
+    # against not folded, and folded everywhere it can be (q, k, v, o, down too: where the rule says it does not pay)
+    "fold-off+warm-up": {"fold_lora_b": "off"},
+    "fold-everywhere+warm-up": {"fold_lora_b": "on"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)
@@ -221,7 +230,7 @@ def child(args) -> None:
               f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
     out = {"config": args.config, "settings": settings, "attention": trainer.attention_path,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
-           "warm_up_runs": trainer.warm_up_runs, "n_params": n_params,
+           "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
            "t_trainer": t_trainer, "steps": steps}
     Path(args.child_out).write_text(json.dumps(out))
@@ -249,6 +258,7 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "warm_up_s": round(run["warm_up_s"], 2),
         "warm_up_runs": run.get("warm_up_runs", {}),
         "attention": run.get("attention"), "micro_batch_tokens": run.get("micro_batch_tokens"),
+        "folded_lora_layers": run.get("folded_lora_layers"),
         "attention_paths_steady": [x.get("attention_paths") for x in window],
         "step0_s": round(s[0]["wall_s"], 2),
         "first_in_process_tok_s": round(_rate(first)),

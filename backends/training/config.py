@@ -215,6 +215,17 @@ class TrainerConfig(BaseModel):
         "of 2 GEMMs + 5 small kernels; the product is no longer rounded to bf16 before the sum). Gradient hooks "
         "on the LoRA parameters do not fire. 'auto': on wherever fused_lora is.",
     )
+    fold_lora_b: Switch = Field(
+        default="auto",
+        description="With fused_lora: compute a LoRA linear as ONE product [x | z] [W | (sB)_c]^T (z = x A^T) instead "
+        "of x W^T plus a rank-r addmm_ that reads and writes all of y, and in backward get g W and g (sB)_c from one "
+        "product (backends/training/kernels/fold_lora_b.py). Pays where the output is wider than the input: it "
+        "writes [x | z] (a copy of x) to save a pass over y; each folded module's frozen weight moves once into a "
+        "[out, in + r] buffer whose first columns are the weight (a base model shared with an engine of the process "
+        "gets its own copy of those weights). Same function up to rounding. 'auto': on CUDA, only modules where the "
+        "y pass saved exceeds the copy paid (out > in + r: the MLP's gate and up at the 1.5B shape); 'on': every "
+        "fusable module, CPU included; 'off': none.",
+    )
     compile_logprobs: Switch = Field(
         default="auto",
         description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
@@ -301,7 +312,7 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads")
+        "accumulate_lora_grads", "fold_lora_b")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -323,10 +334,13 @@ class TrainerConfig(BaseModel):
 
     def enabled(self, switch: str, on_cuda: bool) -> bool:
         """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
-        switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it."""
+        switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b acts only
+        with fused_lora too, its 'auto' on CUDA."""
         mode = getattr(self, switch)
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"
+        if switch == "fold_lora_b" and not self.enabled("fused_lora", on_cuda):
+            return False
         return mode == "on" or (mode == "auto" and on_cuda)
 
     def micro_batch_budget(self, on_cuda: bool) -> int:

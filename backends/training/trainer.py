@@ -31,7 +31,8 @@ On CUDA, by default, each LoRA linear runs as one fused op, the LoRA SwiGLU MLP 
 ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
-(``cache_lora_casts``, ``accumulate_lora_grads``).
+(``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
+LoRA's B product into the base product (``fold_lora_b``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from backends.training.checkpoint import check_compatible, read_checkpoint, rest
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
-from backends.training.kernels.fused_lora import LoraRuntime, patch_lora
+from backends.training.kernels.fold_lora_b import fold_model
+from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
 from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
@@ -204,6 +206,8 @@ class GRPOTrainer:
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
                             if lean and peft_path else {})
         self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0
+        self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
+                                   if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):

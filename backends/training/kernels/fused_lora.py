@@ -17,7 +17,8 @@ dropout, not merged, adapters enabled, frozen base weight and bias; anything els
 
 Two per-micro-batch costs around the products are optional (``LoraRuntime``, shared by every patched module):
 A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL/dB added straight into the fp32
-masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``).
+masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``). A module
+whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.training.kernels.fold_lora_b import (
+    FoldedWeight,
+    fold_input,
+    folded_input_grad,
+    folded_of,
+    folded_product,
+    runs_folded,
+)
 from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
 from backends.training.kernels.lora_grad_accumulation import accumulate
 
@@ -40,6 +49,7 @@ class LoraParts:
     lora_a: torch.Tensor  # the fp32 master parameters (gradients go to these)
     lora_b: torch.Tensor
     scaling: float
+    fold: FoldedWeight | None = None  # the base weight's [W | (sB)_c] buffer where it was folded (fold_lora_b)
 
 
 @dataclass(frozen=True)
@@ -100,11 +110,18 @@ def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = Tr
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime,
+                fold: FoldedWeight | None):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
-            y, z = lora_forward(x2, w, b, a, sb)
+            ctx.folded = runs_folded([fold], [weight], [sb])
+            if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
+                xz, _ = fold_input(x2, a)
+                y = folded_product(xz, fold.extended(sb), b)
+                x2, w, z = xz, fold.buffer, None
+            else:
+                y, z = lora_forward(x2, w, b, a, sb)
         ctx.save_for_backward(x2, w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
@@ -115,18 +132,33 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x2, w, a, sb, z = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
-        grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
-                                               need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
-                                               needs=ctx.needs_input_grad[3:5])
+        if ctx.folded:
+            grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, w, a, sb)
+        else:
+            grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
+                                                   need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
+                                                   needs=ctx.needs_input_grad[3:5])
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, grad_a, grad_b, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None
+
+
+def _folded_backward(ctx, g, xz, w_ext, a, sb):
+    """(dL/dx, dL/dA, dL/dB) of a module folded alone: [dx_base | gz] = g W_ext, dx = dx_base + gz A."""
+    n = w_ext.shape[1] - a.shape[0]
+    if ctx.needs_input_grad[0]:
+        grad_x, gz = folded_input_grad([g], [w_ext], n, a)
+    else:
+        grad_x, gz = None, g @ sb
+    return (grad_x, *lora_param_grads(g, gz, xz[:, :n], xz[:, n:], ctx.scaling, ctx.masters, ctx.into_masters,
+                                      ctx.needs_input_grad[3:5]))
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None,
-                runtime: LoraRuntime = PLAIN):
-    """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's)."""
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime)
+                runtime: LoraRuntime = PLAIN, fold: FoldedWeight | None = None):
+    """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's; ``fold``: the buffer that
+    ``weight`` lives in, as one product where it fits)."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime, fold)
 
 
 def fusable_parts(layer) -> LoraParts | None:
@@ -147,7 +179,7 @@ def fusable_parts(layer) -> LoraParts | None:
     a, b = layer.lora_A[name], layer.lora_B[name]
     if a.bias is not None or b.bias is not None:
         return None
-    return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]))
+    return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]), folded_of(base))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -161,7 +193,7 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     if parts is None:
         return self._trajflow_peft_forward(x, *args, **kwargs)
     return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,
-                             compute_dtype(x), self._trajflow_lora_runtime)
+                             compute_dtype(x), self._trajflow_lora_runtime, parts.fold)
 
 
 def patch_lora(model, runtime: LoraRuntime = PLAIN) -> int:

@@ -26,6 +26,10 @@ Applied by ``patch_model`` to modules that look like these blocks (an RMSNorm wi
 left alone. The MLP takes the fused LoRA path only when all three projections are plain fusable LoRA
 (``fused_lora.fusable_parts``) with no bias, else the SwiGLU op between the projections' own forwards
 (so a disabled adapter, as in the KL reference pass, still means the base model).
+
+With gate and up folded as one group (``fold_lora_b``: their weights in [W | .. (sB)_c ..] buffers that read one
+xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the same bytes) and gets gate's and up's
+outputs, and in backward dL/dx with both dL/dz's, one product per projection; down folded alone works the same on h.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from backends.training.kernels.fused_lora import (
     lora_input_grad,
     lora_param_grads,
 )
+from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
 from backends.training.kernels.torch_compile import kernel
 
 
@@ -111,18 +116,34 @@ class _LoraSwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; see the module docstring for what is stored."""
 
     @staticmethod
-    def forward(ctx, x, scalings, dtype, compile, runtime, gate_w, gate_a, gate_b, up_w, up_a, up_b, down_w, down_a,
-                down_b):
+    def forward(ctx, x, scalings, dtype, compile, runtime, folds, gate_w, gate_a, gate_b, up_w, up_a, up_b, down_w,
+                down_a, down_b):
+        gate_fold, up_fold, down_fold = folds
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            gate = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
-            up = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)
-            down = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
-            g, z_gate = lora_forward(x2, *gate)
-            u, z_up = lora_forward(x2, *up)
-            y, z_down = lora_forward(kernel(_silu_mul, compile)(g, u), *down)
-        drop_bias = lambda p: (p[0], p[2], p[3])  # noqa: E731 - (W, A, sB); the MLP has no biases
-        ctx.save_for_backward(x2, g, u, z_gate, z_up, z_down, *drop_bias(gate), *drop_bias(up), *drop_bias(down))
+            gw, _, ga, gsb = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
+            uw, _, ua, usb = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)
+            dw, _, da, dsb = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
+            ctx.fold_pair = runs_folded([gate_fold, up_fold], [gate_w, up_w], [gsb, usb])
+            ctx.fold_down = runs_folded([down_fold], [down_w], [dsb])
+            a_pair = None
+            if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
+                a_pair = torch.cat([ga, ua])
+                x2, _ = fold_input(x2, a_pair)
+                gw, uw = gate_fold.extended(gsb), up_fold.extended(usb)
+                g, u, z_gate, z_up = folded_product(x2, gw), folded_product(x2, uw), None, None
+            else:
+                g, z_gate = lora_forward(x2, gw, None, ga, gsb)
+                u, z_up = lora_forward(x2, uw, None, ua, usb)
+            h = kernel(_silu_mul, compile)(g, u)
+            if ctx.fold_down:  # [h | z_down] is not kept: backward recomputes h
+                hz, z_down = fold_input(h, da)
+                dw = down_fold.extended(dsb)
+                y = folded_product(hz, dw)
+                del hz
+            else:
+                y, z_down = lora_forward(h, dw, None, da, dsb)
+        ctx.save_for_backward(x2, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da, dsb, a_pair)
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters = ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))
@@ -131,25 +152,38 @@ class _LoraSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x2, g, u, z_gate, z_up, z_down, *weights = ctx.saved_tensors
+        x2, g, u, z_gate, z_up, z_down, *weights, a_pair = ctx.saved_tensors
         (gw, ga, gsb), (uw, ua, usb), (dw, da, dsb) = weights[0:3], weights[3:6], weights[6:9]
         s_gate, s_up, s_down = ctx.scalings
         dy = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
-        gz = dy @ dsb
-        dh = lora_input_grad(dy, gz, dw, da)
+        if ctx.fold_down:
+            dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
+        else:
+            gz = dy @ dsb
+            dh = lora_input_grad(dy, gz, dw, da)
         grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
         del dh
         needs = ctx.needs_input_grad
-        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[12:14])
+        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[13:15])
         del h
-        gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=lora_input_grad(grad_g, gz_gate, gw, ga))
+        if ctx.fold_pair:
+            n, r_gate = x2.shape[1] - a_pair.shape[0], ga.shape[0]
+            x2, z_gate, z_up = x2[:, :n], x2[:, n:n + r_gate], x2[:, n + r_gate:]
+            if needs[0]:
+                grad_x, gz_pair = folded_input_grad([grad_g, grad_u], [gw, uw], n, a_pair)
+                gz_gate, gz_up = gz_pair[:, :r_gate], gz_pair[:, r_gate:]
+            else:
+                gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
+        else:
+            gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
+            if needs[0]:
+                grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=lora_input_grad(grad_g, gz_gate, gw, ga))
+        if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters, needs[6:8])
-        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[9:11])
-        return (grad_x, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
+        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters, needs[7:9])
+        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[10:12])
+        return (grad_x, None, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
 
 
 def rms_norm(x, weight, eps, compile: bool = False):
@@ -162,9 +196,9 @@ def silu_mul(gate, up, compile: bool = False):
 
 def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: LoraRuntime = PLAIN):
     """down(silu(gate(x)) * up(x)) for three bias-free ``LoraParts`` in one autograd op."""
-    scalings = (gate.scaling, up.scaling, down.scaling)
-    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, gate.weight, gate.lora_a, gate.lora_b,
-                             up.weight, up.lora_a, up.lora_b, down.weight, down.lora_a, down.lora_b)
+    scalings, folds = (gate.scaling, up.scaling, down.scaling), (gate.fold, up.fold, down.fold)
+    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, folds, gate.weight, gate.lora_a,
+                             gate.lora_b, up.weight, up.lora_a, up.lora_b, down.weight, down.lora_a, down.lora_b)
 
 
 def _norm_forward(self, hidden_states):
