@@ -217,14 +217,14 @@ class TrainerConfig(BaseModel):
     )
     fold_lora_b: Switch = Field(
         default="auto",
-        description="With fused_lora: compute a LoRA linear as ONE product [x | z] [W | (sB)_c]^T (z = x A^T) instead "
-        "of x W^T plus a rank-r addmm_ that reads and writes all of y, and in backward get g W and g (sB)_c from one "
-        "product (backends/training/kernels/fold_lora_b.py). Pays where the output is wider than the input: it "
-        "writes [x | z] (a copy of x) to save a pass over y; each folded module's frozen weight moves once into a "
-        "[out, in + r] buffer whose first columns are the weight (a base model shared with an engine of the process "
-        "gets its own copy of those weights). Same function up to rounding. 'auto': on CUDA, only modules where the "
-        "y pass saved exceeds the copy paid (out > in + r: the MLP's gate and up at the 1.5B shape); 'on': every "
-        "fusable module, CPU included; 'off': none.",
+        description="With fused_lora: compute a LoRA linear as ONE product `[x | z] [W | (sB)_c]^T` (`z = x A^T`) "
+        "instead of `x W^T` plus a rank-r `addmm_` that reads and writes all of y, and in backward get `g W` and "
+        "`g (sB)_c` from one product (`backends/training/kernels/fold_lora_b.py`). Pays where the output is wider "
+        "than the input: it writes `[x | z]` (a copy of x) to save a pass over y; each folded module's frozen weight "
+        "moves once into an `[out, in + r]` buffer whose first columns are the weight (a base model shared with an "
+        "engine of the process gets its own copy of those weights). Same function up to rounding. 'auto': on CUDA, "
+        "only modules where the y pass saved exceeds the copy paid (out > in + r: the MLP's gate and up at the 1.5B "
+        "shape); 'on': every fusable module, CPU included; 'off': none.",
     )
     compile_logprobs: Switch = Field(
         default="auto",
