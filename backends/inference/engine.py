@@ -121,14 +121,14 @@ class EngineConfig(BaseModel):
     merged_single_adapter: bool = Field(False, description=(
         "A decode step whose rows all use one adapter runs the base model's no-LoRA forward on a copy of the "
         "projection weights with that adapter merged in, W' = dtype(W + B A * scale) (`merged_weights`): no LoRA "
-        "kernels at all (the no-LoRA step: H200, 0.5B, batch 1, 1.61 ms eager, 1.34 ms compiled, against 1.91 ms "
-        "one-slot LoRA). The copy is rebuilt in place when a step needs another slot or a new adapter in its slot "
-        "(once per policy update in GRPO; stats merge_rebuilds, merge_seconds); one more CUDA graph per bucket, "
-        "whatever the slot. Costs the memory of the LoRA'd projections once more (all seven of every layer: ~0.72 "
-        "GB in bf16 for the 0.5B shape), and one rounding more: W' is rounded to the serving dtype where the LoRA "
-        "path rounds x W and x A (float32: same logprobs to ~1e-6; bf16: up to 0.016 on tiny-random). Mixed "
-        "steps, base rows and prefill keep the LoRA paths. Off until measured on the H200 (benchmarks/"
-        "engine_decode.py, variants merged, merged_compile)."))
+        "kernels at all, so it should cost what the no-LoRA step does (H200, 0.5B, batch 1: 1.61 ms, 1.34 ms with "
+        "compile_decode, against 1.91 ms for the one-slot LoRA step; not yet measured merged). The copy is rebuilt "
+        "in place when a step needs another slot or a new adapter in its slot (once per policy update in GRPO; "
+        "stats merge_rebuilds, merge_seconds); one more CUDA graph per bucket, whatever the slot. Costs the memory "
+        "of the LoRA'd projections once more (all seven of every layer: 0.72 GB in bf16 for the 0.5B shape), and "
+        "one rounding more: W' is rounded to the serving dtype where the LoRA path rounds x W and x A (float32: "
+        "logprobs within 1e-6 on tiny-random; bf16: within 0.016). Mixed steps, base rows and prefill keep the LoRA "
+        "paths. Off until measured on the H200 (benchmarks/engine_decode.py, variants merged, merged_compile)."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
@@ -557,13 +557,14 @@ class Engine:
         lag = 1 if prev is not None else 0  # every live sequence had a row in `prev`: no prefill while in flight
         seqs = [s for s in self._running.values() if s.finish is None
                 and not (lag and (len(s.tokens) + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_seq_len))]
-        if prev is not None and prev.merged and self._rebuilds_merged(seqs):
+        one = self._one_slot(seqs)
+        if prev is not None and prev.merged and one is not None and not self.runner.merged.holds(one):
             # the rebuild would overwrite weights that the step in flight reads. A safeguard: a merged step's rows
             # are all on one slot and the next step's rows are some of them (an admission drains first)
             self._drain()
             self._decode()
             return
-        step = self._launch(seqs, lag, prev) if seqs else None
+        step = self._launch(seqs, lag, prev, one) if seqs else None
         self._inflight = step if self.overlap else None
         if prev is not None:
             self._accept_step(prev, step)
@@ -571,7 +572,8 @@ class Engine:
             self._accept_step(step, None)
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
-    def _launch(self, seqs: list[_Seq], lag: int, prev: _Step | None) -> _Step:
+    def _launch(self, seqs: list[_Seq], lag: int, prev: _Step | None, one: int | None) -> _Step:
+        """Launch a decode step over `seqs`; `one`: the LoRA slot of all of them (`_one_slot`)."""
         rows = max(s.slot for s in seqs) + 1
         length = max(s.pos for s in seqs) + lag + 1
         batch, span = self.step.bucket(rows, length)
@@ -587,7 +589,6 @@ class Engine:
         lora_max = max(s.req.lora_slot for s in seqs)
         # One slot: every row the step computes for a sequence (a discarded extra row included) reads it. Rows of no
         # sequence (idle bucket rows, a slot between live ones) then get that slot's delta too: never read.
-        one = self._one_slot(seqs)
         merged = one is not None and self.runner.merged is not None
         single = one if merged or self.config.single_slot_lora else None
         self.stats["single_slot_steps"] += single is not None and not merged
@@ -609,14 +610,9 @@ class Engine:
 
     @staticmethod
     def _one_slot(seqs: list[_Seq]) -> int | None:
-        """The LoRA slot of every sequence in `seqs`, or None (several slots, or base rows)."""
+        """The LoRA slot of every sequence in `seqs`, or None (several slots, base rows, no sequences)."""
         slots = {s.req.lora_slot for s in seqs}
         return next(iter(slots)) if len(slots) == 1 and min(slots) >= 0 else None
-
-    def _rebuilds_merged(self, seqs: list[_Seq]) -> bool:
-        """Whether a step over `seqs` would rebuild the merged weights."""
-        one = self._one_slot(seqs) if seqs and self.runner.merged is not None else None
-        return one is not None and not self.runner.merged.holds(one)
 
     def _accept_step(self, step: _Step, following: _Step | None) -> None:
         """Accept `step`'s tokens; `following` is the step already launched after it (overlapped), or None."""

@@ -56,10 +56,13 @@ class MergedWeights:
             return base._replace(parts=tuple((torch.empty_like(w), b) for w, b in base.parts))
         return base._replace(weight=torch.empty_like(base.weight))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffer set: every merged weight matrix."""
+        return [w for layer in self._projs for p in layer.values() for w in _weights(p)]
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffer set."""
-        return sum(w.nbytes for layer in self._projs for p in layer.values() for w in _weights(p))
+        return sum(w.nbytes for w in self.tensors())
 
     def operands(self, layer: int) -> Callable[[str], Proj]:
         """Layer `layer`'s merged `Proj` per group (no LoRA term)."""

@@ -7,10 +7,12 @@ flight (overlapped decode)."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 
+from backends.inference.cuda_graphs import DecodeStep
 from backends.inference.engine import Engine, EngineConfig, SamplingParams
 from tests.unit.backends.inference.test_overlap_decode import PROMPTS, assert_alike, run_all
 from tests.unit.backends.inference.test_single_slot import VARIANTS, all_mixed, all_on, place
@@ -239,3 +241,30 @@ async def test_bf16_difference(tiny_hf, random_adapter, distinct_adapters):
     finally:
         for engine in made.values():
             engine.shutdown()
+
+
+def test_one_graph_serves_every_slot(engines, monkeypatch):
+    """The CUDA-graph keys, with a stand-in capture (records its key, replays nothing): merged steps on slot 0 and
+    then slot 1 share one graph, keyed apart from the one-slot LoRA and the no-LoRA graphs, and the rebuild between
+    them writes into the same storage (what a captured graph reads)."""
+    engine = engines["fused-a", True]  # idle between tests: its thread waits for requests
+    step, merged = DecodeStep(engine.runner, 4, engine.max_seq_len, graphs=True), engine.runner.merged
+    captured = []
+
+    def capture(key):
+        captured.append(key)
+        step._graphs[key] = (types.SimpleNamespace(replay=lambda: None), torch.zeros(2, key[0], dtype=torch.float64),
+                             torch.zeros(key[0], engine.vocab))
+        return step._graphs[key]
+
+    monkeypatch.setattr(step, "_capture", capture)
+    storage = [w.data_ptr() for w in merged.tensors()]
+    merged.held, rebuilds = None, merged.rebuilds
+    with torch.inference_mode():
+        for slot, use_merged in ((0, True), (1, True), (0, True), (1, False)):
+            step.launch(2, 8, True, False, single_slot=slot, merged=use_merged)
+        step.launch(2, 8, False, False)
+    assert captured == [(2, 8, False, False, None, True), (2, 8, True, False, 1, False),
+                        (2, 8, False, False, None, False)]
+    assert merged.rebuilds - rebuilds == 3 and merged.holds(0)
+    assert storage == [w.data_ptr() for w in merged.tensors()]
