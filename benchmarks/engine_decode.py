@@ -2,13 +2,15 @@
 
 For each variant of `DecoderRunner` (switches that keep the maths: LoRA's A fused into the base GEMM, the per-layer
 functions through torch.compile, k and v written to the cache in one call) and of the step (``single_slot``: every
-row's LoRA term read from its one slot, no row masks or select: `EngineConfig.single_slot_lora`), on the
+row's LoRA term read from its one slot, no row masks or select: `EngineConfig.single_slot_lora`; ``merged``: that
+step on the base weights with the adapter merged in, no LoRA kernels: `EngineConfig.merged_single_adapter`), on the
 Qwen2.5-0.5B shape with random bf16 weights and a rank-16 LoRA on all seven projections (every row on the adapter,
 4 LoRA slots):
 
 - the CUDA-graph replay time of one decode step (forward + sampling) at batch 1, 64 and 256, attention length 256
   (CUDA events over 50 replays, after 3), and at batch 1 without LoRA;
-- the set-up it costs: the runner's warm-up (the compiles), the capture of each graph (first step of a bucket);
+- the set-up it costs: the runner's warm-up (the compiles), the capture of each graph (first step of a bucket), and
+  for merged variants one rebuild of the merged weights (device time, CUDA events; the first step includes one);
 - the kernels one step launches at batch 1 (torch.profiler over the same step run eagerly, `decode_kernel_profile`);
 - how far its logprobs are from the first variant's (the same inputs; float rounding only).
 
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.inference import build_random_qwen, decode_kernel_profile, hardware, random_lora, versions
 
 # name -> DecoderRunner switches (and `single_slot`, the step's: every row on slot 0 without masks); "before" is the
-# path as it was (fused q/k/v and gate/up); "fused_a" today's CUDA default, "single_slot" that with one-slot steps
+# path as it was (fused q/k/v and gate/up); "fused_a" today's CUDA default, "single_slot" that with one-slot steps;
+# "merged" those steps on merged weights, "merged_compile" that as an engine with compile_decode runs it
 VARIANTS = {
     "before": dict(fuse_lora_a=False, compile=False, joint_kv_write=False),
     "fused_a": dict(fuse_lora_a=True, compile=False, joint_kv_write=False),
@@ -44,6 +47,8 @@ VARIANTS = {
     "compile_joint_kv": dict(fuse_lora_a=False, compile=True, joint_kv_write=True),
     "all": dict(fuse_lora_a=True, compile=True, joint_kv_write=True),
     "single_slot": dict(fuse_lora_a=True, compile=False, joint_kv_write=False, single_slot=True),
+    "merged": dict(fuse_lora_a=True, compile=False, joint_kv_write=False, single_slot=True, merged=True),
+    "merged_compile": dict(fuse_lora_a=True, compile=True, joint_kv_write=True, single_slot=True, merged=True),
 }
 LENGTH = 256
 POSITION = 200  # every row decodes its token 200: attention length bucket 256
@@ -81,25 +86,29 @@ def fill(step, batch: int, lora: bool) -> None:
     host[5, :] = 0.5
 
 
-def measure(step, batch: int, lora: bool, cuda: bool, reps: int, single_slot: int | None = None) -> dict:
+def measure(step, batch: int, lora: bool, cuda: bool, reps: int, single_slot: int | None = None,
+            merged: bool = False) -> dict:
     """First step of the bucket (its capture on CUDA), then the mean step time over `reps`; `single_slot`: the one
-    LoRA slot of every row (no masks), None for the masked path."""
+    LoRA slot of every row (no masks), None for the masked path; `merged`: that slot's adapter merged into the
+    weights."""
     import torch
 
     single_slot = single_slot if lora else None
+    merged = merged and single_slot is not None
     fill(step, batch, lora)
     length = min(LENGTH, step.max_len) if cuda else POSITION + 1
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    _, raw = step.run(batch, length, lora, False, single_slot=single_slot)
+    _, raw = step.run(batch, length, lora, False, single_slot=single_slot, merged=merged)
     sync()
     first_s = time.perf_counter() - t0
     raw = raw.float().clone()
     for _ in range(3):
-        step.run(batch, length, lora, False, single_slot=single_slot)
+        step.run(batch, length, lora, False, single_slot=single_slot, merged=merged)
     sync()
-    if cuda:
-        graph = step._graphs[(batch, length, lora, False, single_slot)][0]
+    if cuda:  # the key `DecodeStep.launch` files the graph under (a merged step runs the no-LoRA forward)
+        key = (batch, length, False, False, None, True) if merged else (batch, length, lora, False, single_slot, False)
+        graph = step._graphs[key][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -116,6 +125,24 @@ def measure(step, batch: int, lora: bool, cuda: bool, reps: int, single_slot: in
     return {"step_ms": round(ms, 4), "first_step_s": round(first_s, 3), "raw": raw}
 
 
+def rebuild_ms(runner, cuda: bool) -> float:
+    """One rebuild of the merged weights (slot 0's adapter), forced: device time on CUDA, wall time on the CPU."""
+    import torch
+
+    runner.merged.held = None
+    if not cuda:
+        t0 = time.perf_counter()
+        runner.merged.hold(0)
+        return round(1000 * (time.perf_counter() - t0), 3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    runner.merged.hold(0)
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end), 3)
+
+
 def run_variant(name: str, model, info, host_adapter, args, cuda: bool, reference: dict) -> dict:
     import torch
 
@@ -123,12 +150,13 @@ def run_variant(name: str, model, info, host_adapter, args, cuda: bool, referenc
     runner, step, warm = build_variant(model, info, host_adapter, VARIANTS[name], args.max_batch, args.max_len,
                                        4, graphs=cuda)
     single = 0 if VARIANTS[name].get("single_slot") else None  # the adapter sits in slot 0
+    merged = bool(VARIANTS[name].get("merged"))
     out = {"switches": VARIANTS[name], "build_and_warm_up_s": round(time.perf_counter() - t0, 2),
            "warm_up_s": round(warm, 2)}
     try:
         with torch.inference_mode():
             for batch in args.batches:
-                m = measure(step, batch, True, cuda, args.reps, single)
+                m = measure(step, batch, True, cuda, args.reps, single, merged)
                 raw = m.pop("raw")
                 if batch in reference:
                     m["max_abs_logprob_diff_vs_first"] = round(float((raw - reference[batch]).abs().max()), 5)
@@ -141,9 +169,12 @@ def run_variant(name: str, model, info, host_adapter, args, cuda: bool, referenc
             if cuda:
                 shim = types.SimpleNamespace(step=step, runner=runner)
                 try:
-                    out["profile_batch_1"] = decode_kernel_profile(shim, LENGTH, lora=True, single_slot=single)
+                    out["profile_batch_1"] = decode_kernel_profile(shim, LENGTH, lora=True, single_slot=single,
+                                                                   merged=merged)
                 except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timings
                     out["profile_batch_1"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            if merged:
+                out["merge_rebuild_ms"] = rebuild_ms(runner, cuda)
         out["compiles"] = runner.fns.compiles
         out["compile_backend_s"] = round(runner.fns.compile_seconds, 2)
         out["compile_failure"] = runner.fns.failure
@@ -181,8 +212,9 @@ def markdown(report: dict) -> str:
              f"`{report['command']}`  ", f"{report['date']}; " + ", ".join(f"{k} {v}" for k, v in
                                                                            report["versions"].items() if v), "",
              "| variant | " + " | ".join(f"batch {b} ms" for b in batches) + " | batch 1 no LoRA ms | kernels/step "
-             "(b1) | warm-up s | first step s (b1, capture) | max logprob diff vs before (b1) | compile failure |",
-             "|---" * (len(batches) + 7) + "|"]
+             "(b1) | warm-up s | first step s (b1, capture) | max logprob diff vs before (b1) | merge rebuild ms | "
+             "compile failure |",
+             "|---" * (len(batches) + 8) + "|"]
     for name, r in res.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:200]} |")
@@ -191,10 +223,11 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join([name] + [str(r.get(f"batch_{b}", {}).get("step_ms")) for b in batches] + [
             str(r.get("batch_1_no_lora", {}).get("step_ms")), str(r.get("profile_batch_1", {}).get("kernels_per_step")),
             str(r.get("warm_up_s")), str(b1.get("first_step_s")), str(b1.get("max_abs_logprob_diff_vs_first", "-")),
-            str(r.get("compile_failure") or "-")]) + " |")
+            str(r.get("merge_rebuild_ms", "-")), str(r.get("compile_failure") or "-")]) + " |")
     lines += ["", "Step: CUDA-graph replay of forward + sampling (CUDA events), attention length 256, every row on the "
                   "adapter (4 LoRA slots). Warm-up: `DecoderRunner.warm_up` (the compiles); first step: the "
-                  "bucket's warm-up runs and graph capture.", ""]
+                  "bucket's warm-up runs and graph capture (and, merged, a rebuild of the merged weights). Merge "
+                  "rebuild: one forced rebuild of the merged weights, device time.", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -194,7 +194,7 @@ def graph_step_times(engine, length: int, lora: bool) -> dict:
         start.record()
         for _ in range(reps):
             step.dev.copy_(step.host, non_blocking=True)
-            graph = step._graphs[(batch, length, lora, False, None)][0]
+            graph = step._graphs[(batch, length, lora, False, None, False)][0]
             graph.replay()
         end.record()
         torch.cuda.synchronize()
@@ -202,11 +202,13 @@ def graph_step_times(engine, length: int, lora: bool) -> dict:
     return out
 
 
-def decode_kernel_profile(engine, length: int, lora: bool, top: int = 12, single_slot: int | None = None) -> dict:
+def decode_kernel_profile(engine, length: int, lora: bool, top: int = 12, single_slot: int | None = None,
+                          merged: bool = False) -> dict:
     """What one decode step at batch 1 launches: the same step as the graph (``DecodeStep._body``), run eagerly under
     torch.profiler. Kernels per step and their summed device time; the ops launching the most kernels. A captured
     graph replays these kernels back to back, so at batch 1 its time is about kernels x (launch gap + kernel time).
-    `single_slot`: the step's rows all on that LoRA slot (`lora_slots` "One slot"), None for the masked path."""
+    `single_slot`: the step's rows all on that LoRA slot (`lora_slots` "One slot"), None for the masked path;
+    `merged`: the step on the merged weights as they are (no LoRA term; `merged_weights`)."""
     import collections
 
     import torch
@@ -219,13 +221,15 @@ def decode_kernel_profile(engine, length: int, lora: bool, top: int = 12, single
     host[3, :] = 1
     host[4, :] = 1
     step.dev.copy_(step.host)
+    body = (lambda: step._body(1, length, False, False, merged=True)) if merged else (
+        lambda: step._body(1, length, lora, False, single_slot))
     for _ in range(3):
-        step._body(1, length, lora, False, single_slot)
+        body()
     torch.cuda.synchronize()
     reps = 5
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
-            step._body(1, length, lora, False, single_slot)
+            body()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name = collections.Counter(e.name for e in kernels)

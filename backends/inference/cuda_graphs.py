@@ -23,11 +23,15 @@ overlapped, those of sequences that end at the step before) and a bucketed atten
 (batch, length, with-LoRA, with-top-p, one LoRA slot) combination is needed (the slot: that of every row of a step
 whose rows all read one adapter, which then skips the row masks, `lora_slots` "One slot"; None for the masked path),
 from the real inputs of that step: the warm-up and capture runs repeat the very same computation, so their cache
-writes are idempotent. Eagerly (the CPU), a step uses
+writes are idempotent. A merged step (every row on one adapter, merged into a copy of the base weights:
+`merged_weights`) runs the no-LoRA forward on that copy; its graphs are keyed apart from the others and serve every
+slot, the copy being rebuilt in place when the slot or its adapter changes. Eagerly (the CPU), a step uses
 the exact batch and length.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -110,22 +114,25 @@ class DecodeStep:
         return batch, min(span, self.max_len)
 
     def _body(self, batch: int, length: int, lora: bool, top_p: bool, single_slot: int | None = None,
-              lora_slots: int | None = None):
+              lora_slots: int | None = None, merged: bool = False):
         d = self.dev[:, :batch]
         tokens, pos = d[0].long(), d[1].long()
         lora_rows = d[2].long() if lora and single_slot is None else None
-        logits = self.runner.decode(tokens, pos, length, lora_rows, lora_slots, single_slot)
+        logits = self.runner.decode(tokens, pos, length, lora_rows, lora_slots, single_slot, merged)
         toks, lps, raw = sample(logits, d[3].float(), d[5], d[4].float() if top_p else None)
         return torch.stack((toks.double(), lps.double())), raw
 
     def launch(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
                carry: torch.Tensor | None = None, top_rows: list[int] = (), top_k: int = 0,
-               single_slot: int | None = None) -> Launched:
+               single_slot: int | None = None, merged: bool = False) -> Launched:
         """Queue a step of rows 0..batch-1 from `self.host` (already filled). Rows whose token is -1 take it from
         `carry` (the previous launch's `out`) on the device. Eagerly, LoRA columns are read only for slots <
         `lora_slots`; a graph always covers every slot. With `single_slot` (and `lora`), every row of the step
-        gets that slot's LoRA term whatever its row in `host` says (`lora_slots` "One slot")."""
+        gets that slot's LoRA term whatever its row in `host` says (`lora_slots` "One slot"); with `merged` too, it
+        runs on the runner's merged weights instead, rebuilt for that slot first if they hold anything else (the
+        caller makes sure no step reading them is still on the device)."""
         single_slot = single_slot if lora else None
+        merged = merged and single_slot is not None
         if self._staging:
             self._staging.reverse()
             self.dev.copy_(self._staging[0].copy_(self.host), non_blocking=True)
@@ -140,10 +147,13 @@ class DecodeStep:
             self.clear()
             self._generation = self.runner.lora.generation
             self.runner.warm_up()
+        if merged:
+            self.runner.merged.hold(single_slot)
+            lora, single_slot = False, None  # the no-LoRA forward, on the merged weights
         if not self.graphs:
-            out, raw = self._body(batch, length, lora, top_p, single_slot, lora_slots)
+            out, raw = self._body(batch, length, lora, top_p, single_slot, lora_slots, merged)
             return copy_back(out, raw, list(top_rows), top_k)
-        key = (batch, length, lora, top_p, single_slot)
+        key = (batch, length, lora, top_p, single_slot, merged)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -152,25 +162,27 @@ class DecodeStep:
         return copy_back(out, raw, list(top_rows), top_k)
 
     def run(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
-            single_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            single_slot: int | None = None, merged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`launch` and wait: ([2, batch] on the CPU, raw [batch, V] on the device)."""
-        launched = self.launch(batch, length, lora, top_p, lora_slots, single_slot=single_slot)
+        launched = self.launch(batch, length, lora, top_p, lora_slots, single_slot=single_slot, merged=merged)
         return launched.fetch()[0], launched.raw
 
     def _capture(self, key: tuple) -> tuple:
+        batch, length, lora, top_p, single_slot, merged = key
+        body = functools.partial(self._body, batch, length, lora, top_p, single_slot, merged=merged)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._body(*key)
+                body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the trainer may run CUDA work on another thread meanwhile (the async pipeline trains while
         # later steps' rollouts decode); the default ("global") makes any such call invalidate this capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out, raw = self._body(*key)
+            out, raw = body()
         self._graphs[key] = (graph, out, raw)
         self.captures += 1
         return self._graphs[key]

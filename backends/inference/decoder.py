@@ -19,6 +19,7 @@ the base GEMM, torch.compile of a decode step's layers, one cache write for k an
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from backends.inference.kv_cache import SlotKVCache
 from backends.inference.layer_compile import LayerFunctions
 from backends.inference.layer_math import Proj, rms_norm, signed_sin
 from backends.inference.lora_slots import GROUPS, LoraSlots, RowMasks
+from backends.inference.merged_weights import MergedWeights
 from backends.modeling.logits import logits_fp32
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -149,11 +151,12 @@ class DecoderRunner:
     `fuse`) appends LoRA's A to each group's weight, one GEMM for both (lora_slots, "Fused A"); `compile` runs a
     decode step's per-layer functions through torch.compile (`layer_compile`); `joint_kv_write` (default: with
     `compile`, where the stacking of k and v fuses into the RoPE kernel) writes a decode step's k and v to the cache
-    with one indexed write instead of two.
+    with one indexed write instead of two; `merged` keeps a copy of the projections with one slot's adapter merged
+    in (`merged_weights`) for decode steps whose rows all use it.
     """
 
     def __init__(self, model, max_len: int, kv: SlotKVCache, lora: LoraSlots, fuse: bool, fuse_lora_a: bool = False,
-                 compile: bool = False, joint_kv_write: bool | None = None):
+                 compile: bool = False, joint_kv_write: bool | None = None, merged: bool = False):
         model = unwrap_causal_lm(model)
         info = describe(model)
         self.num_heads, self.num_kv_heads, self.head_dim = info["num_heads"], info["num_kv_heads"], info["head_dim"]
@@ -175,6 +178,7 @@ class DecoderRunner:
         self.warm_up_seconds = 0.0
         if fuse_lora_a:
             lora.bind_a(lambda layer, group, cols: self.layers[layer].groups[group].append_a(cols))
+        self.merged = MergedWeights([layer.groups for layer in self.layers], lora) if merged else None
 
     def _operands(self, layer: int, rows: RowMasks | int | None) -> Callable[[str], Proj]:
         """Layer `layer`'s `Proj` per group, with the LoRA term of `rows` (`LoraSlots.terms`; None: no LoRA)."""
@@ -221,14 +225,18 @@ class DecoderRunner:
         return self._logits(last)
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, length: int, lora_rows: torch.Tensor | None,
-               lora_slots: int | None = None, single_slot: int | None = None) -> torch.Tensor:
+               lora_slots: int | None = None, single_slot: int | None = None, merged: bool = False) -> torch.Tensor:
         """tokens [B], pos [B] for slots 0..B-1, attending to cache positions < `length` -> logits [B, V] float32.
-        With `single_slot`, every row reads that LoRA slot (no row masks; `lora_rows` is not read)."""
+        With `single_slot`, every row reads that LoRA slot (no row masks; `lora_rows` is not read). With `merged`,
+        every row reads the merged weights as they are (`merged_weights`; no LoRA term, `lora_rows` not read)."""
         B = tokens.shape[0]
-        if single_slot is not None:
-            masks = single_slot
+        if merged:
+            operands = self.merged.operands
+        elif single_slot is not None:
+            operands = functools.partial(self._operands, rows=single_slot)
         else:
-            masks = None if lora_rows is None else self.lora.row_masks(lora_rows, lora_slots)
+            operands = functools.partial(self._operands, rows=None if lora_rows is None else
+                                         self.lora.row_masks(lora_rows, lora_slots))
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, D] against [B, H, D]
         visible = torch.arange(length, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
@@ -251,9 +259,9 @@ class DecoderRunner:
         fns = self.fns.active()
         residual = None
         if fns is not LayerFunctions.EAGER:  # layer 0 adds zeros too: one compiled variant fewer
-            residual = self._zero_residual(x, self._operands(0, masks)("down"))
+            residual = self._zero_residual(x, operands(0)("down"))
         for i in range(len(self.layers)):
-            x, residual = self._layer(i, x, residual, self._operands(i, masks), cos, sin,
+            x, residual = self._layer(i, x, residual, operands(i), cos, sin,
                                       lambda q, kv, i=i: attend(i, q, kv), fns, stack_kv=self.joint_kv_write)
         return self._logits(x + residual)
 

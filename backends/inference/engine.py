@@ -18,7 +18,8 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
   slowest sequence, and new requests join at the next iteration.
 - **Forward** (`decoder`): Llama/Qwen2/Qwen3/Mistral maths over the HF model's own weights; per-row LoRA from
   up to ``max_loras`` resident adapters in one batch (`lora_slots`); a decode step whose rows all use one adapter
-  reads that slot alone, without row masks (``single_slot_lora``).
+  reads that slot alone, without row masks (``single_slot_lora``), or runs on a copy of the weights with that
+  adapter merged in (``merged_single_adapter``, `merged_weights`).
 - **Step** (`cuda_graphs`): on CUDA, forward + sampling of a decode step replay from a CUDA graph (static KV cache,
   bucketed batch and length); on the CPU the same code runs eagerly.
 - **Overlap** (``overlap_decode``): the host work of a decode step (reading its tokens, appending them, stop checks,
@@ -117,6 +118,17 @@ class EngineConfig(BaseModel):
         "CUDA graph per (batch, length) bucket and slot in use. Mixed steps (several adapters, or base rows) keep "
         "the masked path. Same logprobs up to float rounding (the LoRA GEMMs sum over one slot's columns instead of "
         "all of them). Not yet measured on the H200 (benchmarks/engine_decode.py, variant single_slot)."))
+    merged_single_adapter: bool = Field(False, description=(
+        "A decode step whose rows all use one adapter runs the base model's no-LoRA forward on a copy of the "
+        "projection weights with that adapter merged in, W' = dtype(W + B A * scale) (`merged_weights`): no LoRA "
+        "kernels at all, so it should cost what the no-LoRA step does (H200, 0.5B, batch 1: 1.61 ms, 1.34 ms with "
+        "compile_decode, against 1.91 ms for the one-slot LoRA step; not yet measured merged). The copy is rebuilt "
+        "in place when a step needs another slot or a new adapter in its slot (once per policy update in GRPO; "
+        "stats merge_rebuilds, merge_seconds); one more CUDA graph per bucket, whatever the slot. Costs the memory "
+        "of the LoRA'd projections once more (all seven of every layer: 0.72 GB in bf16 for the 0.5B shape), and "
+        "one rounding more: W' is rounded to the serving dtype where the LoRA path rounds x W and x A (float32: "
+        "logprobs within 1e-6 on tiny-random; bf16: within 0.016). Mixed steps, base rows and prefill keep the LoRA "
+        "paths. Off until measured on the H200 (benchmarks/engine_decode.py, variants merged, merged_compile)."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
@@ -197,6 +209,7 @@ class _Step:
     seqs: list[_Seq]  # one row each, at its slot
     launched: Launched
     top_rows: list[int]  # indices into `seqs` whose top logprobs were asked for
+    merged: bool = False  # it reads the merged weights (`merged_single_adapter`)
 
 
 class Engine:
@@ -228,7 +241,7 @@ class Engine:
         fuse = cuda if config.fuse_projections is None else config.fuse_projections
         self.runner = DecoderRunner(model, self.max_seq_len, self.kv, self.lora, fuse,
                                     fuse_lora_a=cuda if config.fuse_lora_a is None else config.fuse_lora_a,
-                                    compile=bool(config.compile_decode))
+                                    compile=bool(config.compile_decode), merged=config.merged_single_adapter)
         graphs = cuda if config.cuda_graphs is None else (config.cuda_graphs and cuda)
         self.step = DecodeStep(self.runner, self.max_batch, self.max_seq_len, graphs)
         self.overlap = graphs if config.overlap_decode is None else config.overlap_decode
@@ -241,9 +254,12 @@ class Engine:
         # decode_seconds: the engine thread's wall time in decode steps: filling, launching, waiting for and accepting
         # them. Serially that is each step's device time plus its host work; overlapped, the device time of a step
         # hides behind the previous step's host work, so decode_seconds / decode_steps is the loop's period per step.
-        # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`).
+        # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
+        # merged_steps those that ran on merged weights (`merged_single_adapter`), merge_rebuilds and merge_seconds
+        # the rebuilds of those weights and their host time (included in decode_seconds).
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
-                      "single_slot_steps": 0, "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
+                      "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0, "merge_seconds": 0.0,
+                      "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -541,7 +557,14 @@ class Engine:
         lag = 1 if prev is not None else 0  # every live sequence had a row in `prev`: no prefill while in flight
         seqs = [s for s in self._running.values() if s.finish is None
                 and not (lag and (len(s.tokens) + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_seq_len))]
-        step = self._launch(seqs, lag, prev) if seqs else None
+        one = self._one_slot(seqs)
+        if prev is not None and prev.merged and one is not None and not self.runner.merged.holds(one):
+            # the rebuild would overwrite weights that the step in flight reads. A safeguard: a merged step's rows
+            # are all on one slot and the next step's rows are some of them (an admission drains first)
+            self._drain()
+            self._decode()
+            return
+        step = self._launch(seqs, lag, prev, one) if seqs else None
         self._inflight = step if self.overlap else None
         if prev is not None:
             self._accept_step(prev, step)
@@ -549,7 +572,8 @@ class Engine:
             self._accept_step(step, None)
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
-    def _launch(self, seqs: list[_Seq], lag: int, prev: _Step | None) -> _Step:
+    def _launch(self, seqs: list[_Seq], lag: int, prev: _Step | None, one: int | None) -> _Step:
+        """Launch a decode step over `seqs`; `one`: the LoRA slot of all of them (`_one_slot`)."""
         rows = max(s.slot for s in seqs) + 1
         length = max(s.pos for s in seqs) + lag + 1
         batch, span = self.step.bucket(rows, length)
@@ -563,22 +587,32 @@ class Engine:
         host[4, slots] = [s.req.params.top_p for s in seqs]
         host[5, slots] = [uniform(s.seed, len(s.tokens) + lag) for s in seqs]
         lora_max = max(s.req.lora_slot for s in seqs)
-        lora_used = {s.req.lora_slot for s in seqs}
         # One slot: every row the step computes for a sequence (a discarded extra row included) reads it. Rows of no
         # sequence (idle bucket rows, a slot between live ones) then get that slot's delta too: never read.
-        single = lora_max if self.config.single_slot_lora and lora_used == {lora_max} and lora_max >= 0 else None
-        self.stats["single_slot_steps"] += single is not None
+        merged = one is not None and self.runner.merged is not None
+        single = one if merged or self.config.single_slot_lora else None
+        self.stats["single_slot_steps"] += single is not None and not merged
+        self.stats["merged_steps"] += merged
         use_top_p = any(s.req.params.top_p < 1 for s in seqs)
         want = [i for i, s in enumerate(seqs) if s.req.params.top_logprobs > 0]
         k = max((seqs[i].req.params.top_logprobs for i in want), default=0)
         launched = self.step.launch(batch, span, lora_max >= 0, use_top_p, lora_slots=lora_max + 1,
                                     carry=prev.launched.out if lag else None, top_rows=[slots[i] for i in want],
-                                    top_k=k, single_slot=single)
+                                    top_k=k, single_slot=single, merged=merged)
+        if merged:
+            self.stats["merge_rebuilds"] = self.runner.merged.rebuilds
+            self.stats["merge_seconds"] = self.runner.merged.seconds
         self._steps += 1
         for s in seqs:
             s.launched = self._steps
         self.stats["decode_steps"] += 1
-        return _Step(self._steps, seqs, launched, want)
+        return _Step(self._steps, seqs, launched, want, merged)
+
+    @staticmethod
+    def _one_slot(seqs: list[_Seq]) -> int | None:
+        """The LoRA slot of every sequence in `seqs`, or None (several slots, base rows, no sequences)."""
+        slots = {s.req.lora_slot for s in seqs}
+        return next(iter(slots)) if len(slots) == 1 and min(slots) >= 0 else None
 
     def _accept_step(self, step: _Step, following: _Step | None) -> None:
         """Accept `step`'s tokens; `following` is the step already launched after it (overlapped), or None."""

@@ -104,6 +104,10 @@ class LoraSlots:
         self.B: list[dict[str, torch.Tensor]] = []
         self._col_slot: dict[int, torch.Tensor] = {}
         self._uid: list[int | None] = [None] * num_slots
+        # fills[s]: a number new each time slot s's device columns are written (an adapter placed there, or the
+        # stacks reallocated), so a copy derived from the slot (`merged_weights`) knows when it is stale
+        self.fills = [0] * num_slots
+        self._fill_count = 0
         self._host: list[HostAdapter | None] = [None] * num_slots
         self._refs = [0] * num_slots
         self._used = [0] * num_slots
@@ -200,6 +204,8 @@ class LoraSlots:
 
     @torch.no_grad()
     def _fill(self, slot: int, host: HostAdapter) -> None:
+        self._fill_count += 1
+        self.fills[slot] = self._fill_count
         R = self.rank
         for layer in range(self.num_layers):
             for group, members in GROUPS.items():
@@ -228,12 +234,21 @@ class LoraSlots:
         off = {m: cs[: n * m * self.rank].unsqueeze(0) != row_slot.unsqueeze(1) for m, cs in self._col_slot.items()}
         return RowMasks(off)
 
+    def _slot_columns(self, group: str, slot: int) -> slice:
+        width = len(GROUPS[group]) * self.rank
+        return slice(slot * width, (slot + 1) * width)
+
+    def slot_factors(self, layer: int, group: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [in, M*R], B [M*R, out_1+…+out_M]) of the adapter in `slot` for `group` at `layer` (views; scale
+        folded into B): that adapter's delta of the group's weight is ``(A @ B).T``."""
+        cols = self._slot_columns(group, slot)
+        return self.A[layer][group][:, cols], self.B[layer][group][cols]
+
     def terms(self, layer: int, group: str, rows: RowMasks | int) -> LoraTerms:
         """`group`'s LoRA operands at `layer` for the rows of `rows`: their masks, or the one slot they all read
         (module docstring, "One slot")."""
         if isinstance(rows, int):
-            width = len(GROUPS[group]) * self.rank
-            cols = slice(rows * width, (rows + 1) * width)
+            cols = self._slot_columns(group, rows)
             A = None if self.fused_a else self.A[layer][group][:, cols]
             return LoraTerms(A, self.B[layer][group][cols], None, cols.start)
         off = rows.off[len(GROUPS[group])]

@@ -70,6 +70,13 @@ async def run_counted(engine: Engine, requests) -> tuple[list, int, int]:
     return got, engine.stats["decode_steps"] - steps, engine.stats["single_slot_steps"] - single
 
 
+def all_mixed(mix: str) -> list:
+    """Requests of equal lengths, so that every step is mixed: pol@1 rows with other@1 or base rows."""
+    second = "other@1" if mix == "two-adapters" else None
+    long = SamplingParams(max_tokens=12, seed=1, ignore_eos=True)
+    return [(PROMPTS[0], long, "pol@1", 2), (PROMPTS[1], long, second, 1), (PROMPTS[2], long, "pol@1", 1)]
+
+
 def all_on(adapter: str) -> list:
     return [(PROMPTS[i], SamplingParams(max_tokens=10 + 2 * i, seed=i, temperature=0.9, top_logprobs=2,
                                         ignore_eos=True), adapter, 1 + i % 2) for i in range(4)]
@@ -94,9 +101,7 @@ async def test_one_adapter_batch_equals_masked_path(engines, variant, slot):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mix", ["two-adapters", "adapter-and-base"])
 async def test_mixed_batch_takes_the_masked_path(engines, variant, mix):
-    second = "other@1" if mix == "two-adapters" else None
-    long = SamplingParams(max_tokens=12, seed=1, ignore_eos=True)  # equal lengths: every step is mixed
-    requests = [(PROMPTS[0], long, "pol@1", 2), (PROMPTS[1], long, second, 1), (PROMPTS[2], long, "pol@1", 1)]
+    requests = all_mixed(mix)
     results = {}
     for single in (False, True):
         results[single], steps, one_slot = await run_counted(engines[variant, single], requests)
