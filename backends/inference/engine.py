@@ -23,6 +23,10 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
   bucketed batch and length); on the CPU the same code runs eagerly.
 - **Overlap** (``overlap_decode``): the host work of a decode step (reading its tokens, appending them, stop checks,
   callbacks) runs while the device computes the next step, as vLLM's async scheduling does; see `_decode`.
+- **Streams** (`stream`): a streamed request's tokens go to its event loop as each step accepts them, in the same
+  one wake-up per step that hands over finished requests (`loop_handoff`); a request without a stream pays one
+  attribute check per row and step. Only accepted tokens are streamed, so the discarded row of an overlapped step
+  never reaches one.
 - **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
@@ -664,10 +668,11 @@ class Engine:
             self._check_finished(s, t)
             if s.finish is not None:
                 finished.append(s)
-        for s in seqs:  # a stream gets a step's tokens before its request's completions
-            rows = streamed.pop(s.req.id, None)
-            if rows is not None and not s.req.cancelled:
-                self._notify(s.req, rows, s.req.on_tokens)
+        if streamed:  # a stream gets a step's tokens before its request's completions
+            for s in seqs:
+                rows = streamed.pop(s.req.id, None)
+                if rows is not None and not s.req.cancelled:
+                    self._notify(s.req, rows, s.req.on_tokens)
         for s in finished:
             self._complete_seq(s)
             if following is None or s.launched != following.number:
