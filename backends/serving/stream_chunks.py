@@ -76,7 +76,7 @@ class ChunkStream:
                                                     [a.top for a in accepted] if accepted[0].top else None)))
         return sse_events(chunks)
 
-    def end(self, _tokenizer=None) -> bytes:
+    def end(self) -> bytes:
         """The usage chunk if asked, and ``[DONE]``."""
         chunks = []
         if (self.req.stream_options or {}).get("include_usage"):
