@@ -20,8 +20,8 @@ What is measured, and how:
 - Per load: a warm-up wave (not timed; the embedded engine captures its CUDA graphs there), the timed pass without
   streaming (output tok/s = completion tokens / (first send -> last answer); latency per request, mean/p50/p95),
   then a streaming pass on fresh prompts (one wave of c requests; the 64 requests of the GRPO load) for TTFT = send
-  -> first SSE chunk that carries a token. The embedded server sends a stream's chunks only once the completion is
-  done (`backends.serving.completions.stream_chunks`), so its TTFT is its latency; vLLM streams token by token.
+  -> first SSE chunk that carries a token (``token_ids``). Both servers stream token by token (the embedded one
+  per engine step: `backends.serving.stream_chunks`).
 - With ``--vllm-unseeded`` vLLM also runs c=64 and the GRPO load without seeds (vLLM samples seeded requests
   through per-request generators), to show what the seeds cost it.
 - Decode step of the embedded engine at batch 1, in this process: an `Engine` on the same folder and adapter runs
@@ -465,8 +465,7 @@ def main(argv=None) -> int:
                    "embedded": {"max_batch_size": args.embedded_max_batch, "max_loras": 4},
                    "vllm": {"gpu_memory_utilization": args.vllm_memory, "max_lora_rank": 16, "max_loras": 4}},
         "summary": {}, "results": rows, "errors": {}, "timings_s": {},
-        "notes": [("The embedded server sends a streamed completion's chunks only when it is done, so its TTFT "
-                  "equals its latency; vLLM streams token by token."),
+        "notes": ["Both servers stream token by token (the embedded one per engine step).",
                   "Output tok/s, latency: non-streaming pass (what rollouts use); TTFT: the streaming pass."],
     }
     for name in ("httpx", "vllm"):

@@ -24,6 +24,10 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
   bucketed batch and length); on the CPU the same code runs eagerly.
 - **Overlap** (``overlap_decode``): the host work of a decode step (reading its tokens, appending them, stop checks,
   callbacks) runs while the device computes the next step, as vLLM's async scheduling does; see `_decode`.
+- **Streams** (`stream`): a streamed request's tokens go to its event loop as each step accepts them, in the same
+  one wake-up per step that hands over finished requests (`loop_handoff`); a request without a stream pays one
+  attribute check per row and step. Only accepted tokens are streamed, so the discarded row of an overlapped step
+  never reaches one.
 - **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
@@ -45,6 +49,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,6 +166,17 @@ class Completion:
     stop_reason: str | int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """One token a step accepted for choice `choice` of a streamed request, with its raw logprob and, if asked,
+    its top logprobs."""
+
+    choice: int
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+
+
 class RequestError(ValueError):
     """The request is invalid for this engine (too long, bad parameters); maps to HTTP 400."""
 
@@ -179,6 +195,7 @@ class _Request:
     seed: int
     adapter: AdapterEntry | None
     on_done: object
+    on_tokens: object = None  # streamed requests: called once per step with that step's accepted tokens
     lora_slot: int = -1
     seqs: list["_Seq"] = field(default_factory=list)
     remaining: int = 0
@@ -301,15 +318,18 @@ class Engine:
         self._post(("forget", entry.uid))
 
     def submit(self, prompt: list[int], params: SamplingParams, model: str | None = None, n: int = 1,
-               on_done=None) -> int:
-        """Queue a request; `on_done(list[Completion] | Exception)` is called from the engine thread."""
+               on_done=None, on_tokens=None) -> int:
+        """Queue a request; `on_done(list[Completion] | Exception)` is called from the engine thread, and with
+        `on_tokens`, ``on_tokens(list[Accepted])`` once per engine step that accepted tokens of the request, before
+        `on_done`."""
         adapter = self.adapters.resolve(model) if model else None
         max_tokens = self._validate(prompt, params, n)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cv:
             self._ids += 1
             rid = self._ids
-        req = _Request(rid, list(prompt), params, n, max_tokens, seed, adapter, on_done or (lambda _: None))
+        req = _Request(rid, list(prompt), params, n, max_tokens, seed, adapter, on_done or (lambda _: None),
+                       on_tokens)
         self._post(req)
         return rid
 
@@ -323,6 +343,29 @@ class Engine:
         except asyncio.CancelledError:
             self.abort(rid)
             raise
+
+    async def stream(self, prompt: list[int], params: SamplingParams, model: str | None = None,
+                     n: int = 1) -> AsyncIterator[list[Accepted] | list[Completion]]:
+        """Run a request from an event loop, yielding its tokens as engine steps accept them: lists of `Accepted`
+        (one step's, or several steps' when the reader is slower than the engine), then the request's completions
+        (the same as `generate` returns). Closing the iterator early, or cancelling its reader, aborts the request.
+
+        Tokens reach the loop through the same per-step hand-off as finished requests (`loop_handoff`): one wake-up
+        of the loop per engine step, whatever the number of streamed rows."""
+        channel, put = self._handoff.channel()
+        rid = self.submit(prompt, params, model, n, put, put)
+        done = False
+        try:
+            while not done:
+                for item in await channel.take():
+                    if isinstance(item, BaseException):
+                        done = True
+                        raise item
+                    done = bool(item) and isinstance(item[0], Completion)
+                    yield item
+        finally:
+            if not done:
+                self.abort(rid)
 
     def generate_sync(self, prompt: list[int], params: SamplingParams, model: str | None = None,
                       n: int = 1, timeout: float | None = None) -> list[Completion]:
@@ -646,17 +689,29 @@ class Engine:
     def _accept(self, seqs: list[_Seq], toks: list[int], lps: list[float], tops: dict[int, list[tuple[int, float]]],
                 following: _Step | None) -> None:
         self.stats["generated_tokens"] += len(seqs)
+        streamed: dict[int, list[Accepted]] = {}
+        finished: list[_Seq] = []
         for i, (s, t, lp) in enumerate(zip(seqs, toks, lps)):
             s.tokens.append(t)
             s.logprobs.append(lp)
-            if i in tops:
-                s.tops = (s.tops or []) + [tops[i]]
+            top = tops.get(i)
+            if top is not None:
+                s.tops = (s.tops or []) + [top]
             s.pos += 1
+            if s.req.on_tokens is not None:
+                streamed.setdefault(s.req.id, []).append(Accepted(s.choice, t, lp, top))
             self._check_finished(s, t)
             if s.finish is not None:
-                self._complete_seq(s)
-                if following is None or s.launched != following.number:
-                    self._release_seq(s)  # else its row in `following` still runs: freed when that is accepted
+                finished.append(s)
+        if streamed:  # a stream gets a step's tokens before its request's completions
+            for s in seqs:
+                rows = streamed.pop(s.req.id, None)
+                if rows is not None and not s.req.cancelled:
+                    self._notify(s.req, rows, s.req.on_tokens)
+        for s in finished:
+            self._complete_seq(s)
+            if following is None or s.launched != following.number:
+                self._release_seq(s)  # else its row in `following` still runs: freed when that is accepted
 
     def _check_finished(self, s: _Seq, token: int) -> None:
         p = s.req.params
@@ -697,9 +752,9 @@ class Engine:
             text = text[: s.cut]
         return Completion(s.tokens, s.logprobs, s.tops, s.finish or "length", text, s.stop_reason)
 
-    def _notify(self, req: _Request, result) -> None:
+    def _notify(self, req: _Request, result, callback=None) -> None:
         try:
-            req.on_done(result)
+            (callback or req.on_done)(result)
         except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
             log.exception("request %s callback failed", req.id)
 

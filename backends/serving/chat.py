@@ -165,15 +165,16 @@ def render_prompt(tokenizer, req: ChatRequest) -> list[int]:
         raise RequestError(str(e)) from None
 
 
-def _logprobs_json(c: Completion, names: TokenText, as_ids: bool) -> dict:
-    check_finite(c.logprobs, "logprob")
+def logprobs_json(token_ids: list[int], logprobs: list[float], top_logprobs: list | None, names: TokenText,
+                  as_ids: bool) -> dict:
+    """``logprobs`` of a choice, or of a streamed chunk's tokens."""
+    check_finite(logprobs, "logprob")
     content = []
-    tops_of = c.top_logprobs
-    for j, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+    for j, (tok, lp) in enumerate(zip(token_ids, logprobs)):
         tops = []
-        if tops_of is not None:
-            check_finite([v for _, v in tops_of[j]], "top logprob")
-            for t, v in tops_of[j]:
+        if top_logprobs is not None:
+            check_finite([v for _, v in top_logprobs[j]], "top logprob")
+            for t, v in top_logprobs[j]:
                 label, raw = names.entry(t, as_ids)
                 tops.append({"token": label, "bytes": raw, "logprob": v})
         label, raw = names.entry(tok, as_ids)
@@ -181,16 +182,22 @@ def _logprobs_json(c: Completion, names: TokenText, as_ids: bool) -> dict:
     return {"content": content}
 
 
+def tools_parsed(req: ChatRequest) -> bool:
+    """Whether the answer's text is parsed for tool calls."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
 def choice_json(index: int, c: Completion, req: ChatRequest, prompt: list[int], names: TokenText) -> dict:
     """One `choices[i]` of the response."""
     content, calls = c.text, []
-    if req.tools and req.tool_choice != "none":
+    if tools_parsed(req):
         content, calls = parse_tool_calls(c.text)
     message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
     return {
         "index": index,
         "message": message,
-        "logprobs": _logprobs_json(c, names, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
+        "logprobs": (logprobs_json(c.token_ids, c.logprobs, c.top_logprobs, names, bool(req.return_tokens_as_token_ids))
+                     if req.logprobs else None),
         "finish_reason": "tool_calls" if calls else c.finish_reason,
         "stop_reason": c.stop_reason,
         "token_ids": c.token_ids,
@@ -211,26 +218,3 @@ def response_json(req: ChatRequest, prompt: list[int], completions: list[Complet
                   "total_tokens": len(prompt) + generated},
         "prompt_token_ids": prompt,
     }
-
-
-def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
-    """The response as chat.completion.chunk objects (sent once the completion is done, not token by token)."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-            "model": response["model"]}
-    chunks = []
-    for ch in response["choices"]:
-        msg = ch["message"]
-        delta: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
-        if msg["tool_calls"]:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]
-        first = {**base, "choices": [{"index": ch["index"], "delta": delta, "logprobs": ch["logprobs"],
-                                      "finish_reason": None, "token_ids": ch["token_ids"]}]}
-        if ch["index"] == 0:
-            first["prompt_token_ids"] = response["prompt_token_ids"]
-        chunks.append(first)
-        chunks.append({**base, "choices": [{"index": ch["index"], "delta": {}, "logprobs": None,
-                                            "finish_reason": ch["finish_reason"],
-                                            "stop_reason": ch["stop_reason"]}]})
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": response["usage"]})
-    return chunks

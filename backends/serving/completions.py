@@ -90,29 +90,32 @@ def completion_prompts(tokenizer, req: CompletionRequest, vocab: int) -> list[li
     return prompts
 
 
-def _logprobs_json(c: Completion, names: TokenText, k: int, as_ids: bool) -> dict:
-    check_finite(c.logprobs, "logprob")
-    texts = [names.text(tok) for tok in c.token_ids]
-    tokens = [f"token_id:{tok}" for tok in c.token_ids] if as_ids else texts
-    offsets = list(accumulate(map(len, texts), initial=0))[:-1]
-    if c.top_logprobs is None or k == 0:
-        tops = [{label: lp} for label, lp in zip(tokens, c.logprobs)]
+def logprobs_json(token_ids: list[int], logprobs: list[float], top_logprobs: list | None, names: TokenText, k: int,
+                  as_ids: bool, offset: int = 0) -> dict:
+    """``logprobs`` of a choice, or of a streamed chunk's tokens whose text starts at character `offset`."""
+    check_finite(logprobs, "logprob")
+    texts = [names.text(tok) for tok in token_ids]
+    tokens = [f"token_id:{tok}" for tok in token_ids] if as_ids else texts
+    offsets = list(accumulate(map(len, texts), initial=offset))[:-1]
+    if top_logprobs is None or k == 0:
+        tops = [{label: lp} for label, lp in zip(tokens, logprobs)]
     else:
         tops = []
-        for label, lp, alts in zip(tokens, c.logprobs, c.top_logprobs):
+        for label, lp, alts in zip(tokens, logprobs, top_logprobs):
             check_finite([v for _, v in alts[:k]], "top logprob")
             top = {label: lp}
             for alt, value in alts[:k]:
                 top.setdefault(names.label(alt, as_ids), value)
             tops.append(top)
-    return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
 def choice_json(index: int, c: Completion, req: CompletionRequest, prompt: list[int], names: TokenText) -> dict:
     """One `choices[i]` of the response."""
     logprobs = None
     if req.logprobs is not None:
-        logprobs = _logprobs_json(c, names, req.logprobs, bool(req.return_tokens_as_token_ids))
+        logprobs = logprobs_json(c.token_ids, c.logprobs, c.top_logprobs, names, req.logprobs,
+                                 bool(req.return_tokens_as_token_ids))
     return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason, "token_ids": c.token_ids, "prompt_token_ids": prompt,
             "prompt_logprobs": None}
@@ -134,20 +137,3 @@ def response_json(req: CompletionRequest, prompts: list[list[int]], results: lis
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                   "total_tokens": prompt_tokens + generated},
     }
-
-
-def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
-    """The response as streamed text_completion chunks (sent once the completion is done, not token by token)."""
-    base = {"id": response["id"], "object": "text_completion", "created": response["created"],
-            "model": response["model"]}
-    chunks = []
-    for ch in response["choices"]:
-        chunks.append({**base, "choices": [{"index": ch["index"], "text": ch["text"], "logprobs": ch["logprobs"],
-                                            "finish_reason": None, "token_ids": ch["token_ids"],
-                                            "prompt_token_ids": ch["prompt_token_ids"]}]})
-        chunks.append({**base, "choices": [{"index": ch["index"], "text": "", "logprobs": None,
-                                            "finish_reason": ch["finish_reason"],
-                                            "stop_reason": ch["stop_reason"]}]})
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": response["usage"]})
-    return chunks

@@ -7,8 +7,8 @@
 - **Finite numbers.** JSON has no NaN or infinity: the stdlib refuses them, orjson would write ``null``. The only
   floats of a response that come from the model are logprobs; `check_finite` refuses a non-finite one (HTTP 500,
   as Starlette's encoder did) before it could reach the body.
-- **Server-sent events.** A stream's chunks as ``data: <json>\\n\\n`` events, then ``data: [DONE]\\n\\n``, in one body
-  (the embedded server sends a stream once the completion is done: `backends.serving.chat.stream_chunks`).
+- **Server-sent events.** A stream's chunks as ``data: <json>\\n\\n`` events, written as the engine's steps hand
+  over tokens (`backends.serving.stream_chunks`), the last followed by ``data: [DONE]\\n\\n``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def check_finite(values: list[float], what: str) -> None:
         raise ValueError(f"the model produced a non-finite {what}; JSON cannot carry it")
 
 
-def sse_bytes(chunks: list[dict]) -> bytes:
-    """`chunks` as one server-sent-events body, ending with the ``[DONE]`` event."""
-    return b"".join(b"data: " + json_bytes(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+def sse_events(chunks: list[dict], done: bool = False) -> bytes:
+    """`chunks` as server-sent events, then the ``[DONE]`` event if `done`."""
+    body = b"".join(b"data: " + json_bytes(chunk) + b"\n\n" for chunk in chunks)
+    return body + b"data: [DONE]\n\n" if done else body

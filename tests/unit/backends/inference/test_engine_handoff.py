@@ -1,5 +1,6 @@
 """How the engine thread hands back results and the GIL: requests finishing in one engine step wake their loop once,
-and the engine lowers the interpreter's switch interval so it gets the GIL back soon after each device wait."""
+streamed requests' tokens come in that same wake-up (one per step, however many rows stream), and the engine lowers
+the interpreter's switch interval so it gets the GIL back soon after each device wait."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from backends.inference.engine import Engine, EngineConfig, SamplingParams
+from backends.inference.engine import Completion, Engine, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,46 @@ async def test_requests_finishing_in_one_step_wake_the_loop_once(engine, monkeyp
     results = await asyncio.gather(*jobs)
     assert [len(r[0].token_ids) for r in results] == [6] * 12
     assert wake_ups.count <= 2, f"{wake_ups.count} wake-ups for 12 requests finishing together"
+
+
+async def _read(stream) -> tuple[list[list[int]], list[Completion]]:
+    """(per choice the streamed token ids, the completions) of one `Engine.stream`."""
+    tokens: dict[int, list[int]] = {}
+    completions = None
+    async for item in stream:  # to its end: a generator left open would be closed by a call into the loop
+        if isinstance(item[0], Completion):
+            completions = item
+        else:
+            for accepted in item:
+                tokens.setdefault(accepted.choice, []).append(accepted.token)
+    return [tokens[c] for c in sorted(tokens)], completions
+
+
+async def test_streamed_rows_wake_the_loop_once_per_step(engine, monkeypatch):
+    loop = asyncio.get_running_loop()
+    wake_ups = CountingWakeUps(loop)
+    monkeypatch.setattr(loop, "call_soon_threadsafe", wake_ups)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=4)
+    with engine._cv:  # as above: one prefill admits all 6 requests (12 rows), then 9 decode steps
+        jobs = [asyncio.ensure_future(_read(engine.stream([5 + i, 6, 7], params, n=2))) for i in range(6)]
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*jobs)
+    for streamed, completions in results:
+        assert streamed == [c.token_ids for c in completions] and all(len(t) == 10 for t in streamed)
+    assert wake_ups.count <= 10 + 2, f"{wake_ups.count} wake-ups for 12 rows streamed over 10 steps"
+
+
+async def test_closing_a_stream_aborts_its_request(engine):
+    await asyncio.sleep(0.05)
+    stream = engine.stream([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True, seed=5), n=3)
+    first = await anext(stream)
+    assert first and not isinstance(first[0], Completion)
+    await stream.aclose()
+    for _ in range(500):
+        if engine.activity() == {"waiting": 0, "running": 0}:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.activity() == {"waiting": 0, "running": 0} and len(engine._free) == engine.max_batch
 
 
 async def test_each_loop_gets_its_own_results(engine):

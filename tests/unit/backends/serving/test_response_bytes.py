@@ -10,7 +10,7 @@ import pytest
 
 from backends.serving import response_bytes
 from backends.serving.request_bodies import BadBody, parse_json
-from backends.serving.response_bytes import check_finite, json_bytes, sse_bytes
+from backends.serving.response_bytes import check_finite, json_bytes, sse_events
 from backends.serving.token_text import TokenText
 
 RESPONSE = {"id": "cmpl-1", "text": "héllo \u2028 \"q\" \\ \n", "logprobs": {"token_logprobs": [-0.1, -1e-05, -12.5],
@@ -31,8 +31,8 @@ def test_integers_beyond_64_bits_are_encoded_by_the_stdlib():
     assert json.loads(json_bytes({"seed": 2**70})) == {"seed": 2**70}
 
 
-def test_sse_bytes_frames_each_chunk_and_ends_with_done():
-    body = sse_bytes([{"a": 1}, {"b": [2]}]).decode()
+def test_sse_events_frames_each_chunk_and_ends_with_done():
+    body = sse_events([{"a": 1}, {"b": [2]}], done=True).decode()
     assert body == 'data: {"a":1}\n\ndata: {"b":[2]}\n\ndata: [DONE]\n\n'
 
 

@@ -1,0 +1,202 @@
+"""Streamed answers of the embedded server, through the real openai client: tokens arrive as they are decoded, the
+deltas add up to the non-streamed answer (chat and completions, n = 1 and 2, logprobs, stop strings, tool calls),
+UTF-8 split across tokens, usage, a client that leaves mid-stream, and overlapped decode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from backends.inference.engine import EngineConfig
+from backends.serving.stream_text import StreamText
+from tests.fixtures_server import API_KEY, TOOL_QUESTION, TOOLS, wait_until
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+
+
+@pytest.fixture(scope="module")
+def overlap_server(tiny_model_path, adapter_root):
+    from backends.serving.app import start_server
+
+    handle = start_server("tiny-random", api_key=API_KEY, config=EngineConfig(overlap_decode=True))
+    yield handle
+    handle.stop()
+
+
+def _client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+async def _chat_both(client, **kw):
+    """(non-streamed answer, streamed chunks) of the same chat request."""
+    plain = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, **kw)
+    stream = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, stream=True,
+                                                  stream_options={"include_usage": True}, **kw)
+    return plain, [c async for c in stream]
+
+
+def _assert_chat_matches(plain, chunks, logprobs: bool):
+    by = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            entry = by.setdefault(c.index, {"text": "", "ids": [], "lps": [], "finish": None, "role": None})
+            entry["role"] = entry["role"] or c.delta.role
+            entry["text"] += c.delta.content or ""
+            entry["ids"] += (c.model_extra or {}).get("token_ids") or []
+            if c.logprobs is not None:
+                entry["lps"] += [x.logprob for x in c.logprobs.content]
+            entry["finish"] = c.finish_reason or entry["finish"]
+    assert sorted(by) == [c.index for c in plain.choices]
+    for choice in plain.choices:
+        got = by[choice.index]
+        assert got["role"] == "assistant"
+        assert got["text"] == (choice.message.content or "")
+        assert got["ids"] == choice.token_ids
+        assert got["finish"] == choice.finish_reason
+        if logprobs:
+            assert got["lps"] == [x.logprob for x in choice.logprobs.content]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    assert all(not c.choices or c.usage is None for c in chunks[:-1])
+    assert chunks[0].model_extra["prompt_token_ids"] == plain.prompt_token_ids
+
+
+async def test_tokens_arrive_while_the_answer_is_decoded(client, tiny_server):
+    engine = tiny_server.engine
+    stream = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=64, seed=1,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    steps_at_content = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            steps_at_content.append(engine.stats["decode_steps"])
+        if chunk.choices and chunk.choices[0].finish_reason:
+            done_at = engine.stats["decode_steps"]
+    assert len(steps_at_content) > 1
+    assert steps_at_content[0] < done_at  # the first text came before the last step: not sent once done
+    assert len(set(steps_at_content)) > 1
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_chat_deltas_equal_the_plain_answer(client, n):
+    plain, chunks = await _chat_both(client, max_tokens=40, seed=21, n=n, logprobs=True, top_logprobs=2)
+    _assert_chat_matches(plain, chunks, logprobs=True)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
+
+
+async def test_a_stop_string_split_across_tokens_never_leaks(client, tiny_hf):
+    _, tok = tiny_hf
+    free = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=40, seed=5)
+    ids = free.choices[0].token_ids
+    texts = [tok.decode([t]) for t in ids]
+    k = next(k for k in range(5, len(ids) - 1) if texts[k].strip() and texts[k + 1].strip()
+             and (texts[k] + texts[k + 1]) in free.choices[0].message.content)
+    stop = texts[k][-1] + texts[k + 1][:2]  # the end of one token and the start of the next
+    plain, chunks = await _chat_both(client, max_tokens=40, seed=5, stop=[stop], logprobs=True)
+    assert plain.choices[0].finish_reason == "stop" and stop not in plain.choices[0].message.content
+    _assert_chat_matches(plain, chunks, logprobs=True)
+    sent = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert stop not in sent
+
+
+def test_utf8_split_across_tokens_waits_for_its_character(tiny_hf):
+    _, tok = tiny_hf
+    text = "Grüße, 世界! 🎉🙂 naïve — ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "the text must split a character across tokens"
+    stream = StreamText([])
+    deltas = [stream.push(tok, [t]) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + stream.finish(tok.decode(ids)) == tok.decode(ids)
+
+
+def test_text_that_may_begin_a_stop_string_is_held(tiny_hf):
+    _, tok = tiny_hf
+    stream = StreamText(["END"])
+    out = [stream.push(tok, tok(piece, add_special_tokens=False)["input_ids"]) for piece in ("abc E", "N", "D xyz")]
+    assert out == ["abc ", "", ""]
+    assert stream.finish("abc ") == ""
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_completion_deltas_equal_the_plain_answer(client, n):
+    kw = dict(model="tiny-random", prompt=[[5, 6, 7, 8], [9, 10, 11]], n=n, max_tokens=30, seed=4, logprobs=2)
+    plain = await client.completions.create(**kw)
+    stream = await client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    texts, ids, lps, offsets, prompts, finish, usage = {}, {}, {}, {}, {}, {}, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            extra = c.model_extra or {}
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids.setdefault(c.index, []).extend(extra.get("token_ids") or [])
+            if "prompt_token_ids" in extra:
+                prompts[c.index] = extra["prompt_token_ids"]
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    for c in plain.choices:
+        assert texts[c.index] == c.text
+        assert ids[c.index] == c.model_extra["token_ids"]
+        assert prompts[c.index] == c.model_extra["prompt_token_ids"]
+        assert lps[c.index] == c.logprobs.token_logprobs
+        assert offsets[c.index] == c.logprobs.text_offset
+        assert finish[c.index] == c.finish_reason
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+async def test_streamed_tool_calls_come_whole_in_the_last_chunk(tool_server):
+    client = _client(tool_server)
+    kw = dict(model="tiny-tools", messages=TOOL_QUESTION, tools=TOOLS, tool_choice="auto", temperature=0,
+              max_tokens=48)
+    plain = await client.chat.completions.create(**kw)
+    chunks = [c async for c in await client.chat.completions.create(**kw, stream=True)]
+    assert plain.choices[0].finish_reason == "tool_calls"
+    sent = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call" not in sent and sent.strip() == (plain.choices[0].message.content or "")
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(x.index, x.function.name, x.function.arguments) for x in calls] == [
+        (0, x.function.name, x.function.arguments) for x in plain.choices[0].message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    await client.close()
+
+
+async def test_a_client_that_leaves_mid_stream_frees_its_sequences(tiny_server, random_adapter):
+    """Mid-stream (the status line and first chunks sent), closing the connection aborts the request: its sequences
+    stop, their KV slots and the LoRA slot's reference are freed."""
+    engine = tiny_server.engine
+    engine.load_adapter("stream-leaver@1", str(random_adapter[0]), replace=True)
+    await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "an idle engine")
+    before = engine.stats["generated_tokens"]
+    body = {"model": "stream-leaver@1", "messages": MESSAGES, "n": 4, "max_tokens": 900, "ignore_eos": True,
+            "seed": 2, "stream": True}
+    async with httpx.AsyncClient(base_url=tiny_server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.aiter_lines()
+            while '"token_ids"' not in await anext(lines):
+                pass
+            assert engine.activity()["running"] == 4
+            assert sum(engine.lora._refs) == 1
+    await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "the engine to drop them")
+    await wait_until(lambda: len(engine._free) == engine.max_batch, 30, "the KV slots to be freed")
+    assert sum(engine.lora._refs) == 0
+    assert engine.stats["generated_tokens"] - before < 4 * 900 / 2
+    engine.unload_adapter("stream-leaver@1")
+
+
+async def test_overlapped_decode_streams_the_same_tokens(overlap_server):
+    client = _client(overlap_server)
+    assert overlap_server.engine.overlap
+    plain, chunks = await _chat_both(client, max_tokens=25, seed=8, n=2, logprobs=True)
+    _assert_chat_matches(plain, chunks, logprobs=True)
+    # sequences of different lengths in one batch: the shorter ones' discarded rows must not reach a stream
+    short, long_ = await asyncio.gather(_chat_both(client, max_tokens=3, seed=9),
+                                        _chat_both(client, max_tokens=30, seed=9))
+    _assert_chat_matches(*short, logprobs=False)
+    _assert_chat_matches(*long_, logprobs=False)
+    await client.close()
