@@ -25,7 +25,10 @@ Choices:
    scaled per output row and the backward (contraction over ``out``) per input column; one copy scaled per row
    would need its scales inside the contraction, which rowwise ``_scaled_mm`` cannot apply.
 3. Activations and grads are quantized per token on the fly (``quantize_rows``, one torch.compile'd kernel on CUDA
-   through ``torch_compile.kernel``: amax, scale, divide, cast in one pass). Grads use e4m3 (3 mantissa bits), not
+   through ``torch_compile.kernel``: amax, scale, divide, cast in one pass), once per tensor: q, k and v read the same
+   x, as do gate and up, so the scope keeps the last quantized tensor (held, so its storage is not reused; stamped
+   with its version) and the next product that reads it takes the same x_q: per layer and micro-batch 4 forward
+   quantizations instead of 7. Grads use e4m3 (3 mantissa bits), not
    e5m2: a per-token scale already spans the range across tokens that e5m2's wider exponent is usually chosen for,
    and within a token e4m3's finer steps halve the rounding error; Hopper's rowwise FP8 GEMM also takes e4m3 operands.
 4. Only where the trainer opens the scope (``Fp8Scope.scope``: ``GRPOTrainer``'s training micro-batches and its
@@ -102,54 +105,26 @@ class Fp8Weight:
         return sum(t.numel() * t.element_size() for t in (self.rows, self.row_scale, self.cols, self.col_scale))
 
 
-def _quantizer(compile: bool):
-    return kernel(quantize_rows, compile)
+def fp8_product(xq: tuple[torch.Tensor, torch.Tensor], fp8: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """y ~= x W^T from per-token (x_q, s_x) and the per-row copy."""
+    return torch._scaled_mm(xq[0], fp8.rows.t(), scale_a=xq[1], scale_b=fp8.row_scale, out_dtype=out_dtype)
 
 
-def fp8_product(x2: torch.Tensor, fp8: Fp8Weight, out_dtype: torch.dtype, compile: bool) -> torch.Tensor:
-    """y ~= x W^T from per-token x_q and the per-row copy."""
-    xq, sx = _quantizer(compile)(x2)
-    return torch._scaled_mm(xq, fp8.rows.t(), scale_a=sx, scale_b=fp8.row_scale, out_dtype=out_dtype)
-
-
-def fp8_input_grad(g: torch.Tensor, fp8: Fp8Weight, out_dtype: torch.dtype, compile: bool) -> torch.Tensor:
-    """dx ~= g W from per-token g_q and the per-column copy."""
-    gq, sg = _quantizer(compile)(g)
-    return torch._scaled_mm(gq, fp8.cols.t(), scale_a=sg, scale_b=fp8.col_scale, out_dtype=out_dtype)
-
-
-@dataclass(frozen=True)
-class Fp8Use:
-    """One module's fp8 copies, chosen for a forward and kept for its backward; ``compile``: quantize compiled."""
-
-    weight: Fp8Weight
-    compile: bool
-
-
-def base_product(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Use | None) -> torch.Tensor:
-    """y = x W^T + b: in FP8 where ``fp8`` is given, else in x's dtype."""
-    if fp8 is None:
-        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
-    y = fp8_product(x2, fp8.weight, x2.dtype, fp8.compile)
-    return y if bias is None else y.add_(bias)
-
-
-def base_input_grad(g: torch.Tensor, w: torch.Tensor, fp8: Fp8Use | None, into: torch.Tensor | None = None):
-    """g W, added into ``into`` when given: in FP8 where ``fp8`` is given."""
-    if fp8 is None:
-        return g @ w if into is None else into.addmm_(g, w)
-    dx = fp8_input_grad(g, fp8.weight, g.dtype, fp8.compile)
-    return dx if into is None else into.add_(dx)
+def fp8_input_grad(gq: tuple[torch.Tensor, torch.Tensor], fp8: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx ~= g W from per-token (g_q, s_g) and the per-column copy."""
+    return torch._scaled_mm(gq[0], fp8.cols.t(), scale_a=gq[1], scale_b=fp8.col_scale, out_dtype=out_dtype)
 
 
 class Fp8Scope:
     """Where the fused ops take their base products in FP8: only while ``scope()`` is open. Counts the forwards
-    that ran fp8 (``fp8_forwards``) and those of quantized modules that ran bf16 outside it (``bf16_forwards``)."""
+    that ran fp8 (``fp8_forwards``), those of quantized modules that ran bf16 (``bf16_forwards``), and the
+    per-token quantizations made (``quantizations``) and reused (``reuses``)."""
 
     def __init__(self, compile: bool = False) -> None:
         self.compile = compile
         self._open = False
-        self.fp8_forwards = self.bf16_forwards = 0
+        self._last: tuple | None = None  # (tensor, its stamp, (t_q, s)): the last tensor quantized
+        self.fp8_forwards = self.bf16_forwards = self.quantizations = self.reuses = 0
 
     @contextlib.contextmanager
     def scope(self):
@@ -157,7 +132,22 @@ class Fp8Scope:
         try:
             yield self
         finally:
-            self._open = was
+            self._open, self._last = was, None
+
+    def quantized(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t_q, s) of 2-D ``t`` per row, reused when ``t`` views the memory last quantized, unchanged since."""
+        # each op makes its own view of x (reshape): the memory, its layout and its version counter (shared by views,
+        # moved by every in-place write) identify the values; the last tensor is held, so its memory is not reused
+        stamp = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        last = self._last
+        if last is not None and last[1] == stamp:
+            self.reuses += 1
+            return last[2]
+        # _scaled_mm's operand a is row-major; the kernel keeps its input's strides
+        q = kernel(quantize_rows, self.compile)(t.contiguous())
+        self._last = (t, stamp, q)
+        self.quantizations += 1
+        return q
 
     def use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
         """The copies a forward of a module with ``fp8`` (its ``Fp8Weight`` or None) computing in ``dtype`` takes, or
@@ -168,7 +158,31 @@ class Fp8Scope:
             self.bf16_forwards += 1
             return None
         self.fp8_forwards += 1
-        return Fp8Use(fp8, self.compile)
+        return Fp8Use(fp8, self)
+
+
+@dataclass(frozen=True)
+class Fp8Use:
+    """One module's fp8 copies, chosen for a forward and kept for its backward, and the scope that quantizes."""
+
+    weight: Fp8Weight
+    scope: Fp8Scope
+
+
+def base_product(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Use | None) -> torch.Tensor:
+    """y = x W^T + b: in FP8 where ``fp8`` is given, else in x's dtype."""
+    if fp8 is None:
+        return x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+    y = fp8_product(fp8.scope.quantized(x2), fp8.weight, x2.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def base_input_grad(g: torch.Tensor, w: torch.Tensor, fp8: Fp8Use | None, into: torch.Tensor | None = None):
+    """g W, added into ``into`` when given: in FP8 where ``fp8`` is given."""
+    if fp8 is None:
+        return g @ w if into is None else into.addmm_(g, w)
+    dx = fp8_input_grad(fp8.scope.quantized(g), fp8.weight, g.dtype)
+    return dx if into is None else into.add_(dx)
 
 
 def fp8_of(linear) -> Fp8Weight | None:

@@ -82,6 +82,20 @@ def test_outside_the_scope_or_after_a_write_the_weight_runs_bf16():
     assert (scope.fp8_forwards, scope.bf16_forwards) == (1, 2)
 
 
+def test_a_tensor_is_quantized_once_while_unchanged():
+    scope, x = Fp8Scope(), torch.randn(8, 32)
+    with scope.scope():
+        first = scope.quantized(x.reshape(-1, 32))
+        assert scope.quantized(x.view(8, 32)) is first  # another view of the same memory, unchanged
+        assert scope.quantized(x[:4]) is not first  # other rows
+        x.mul_(2.0)
+        again = scope.quantized(x.reshape(-1, 32))
+    assert again is not first and torch.equal(again[1], first[1] * 2)
+    assert (scope.quantizations, scope.reuses) == (3, 1)
+    with scope.scope():
+        assert scope.quantized(x) is not again  # nothing outlives a scope
+
+
 def test_fp8_swiglu_is_within_fp8_error_of_fp32():
     g = torch.Generator().manual_seed(2)
     parts = []
@@ -122,8 +136,10 @@ def test_a_trainer_step_with_fp8_is_close_to_fp8_off_and_its_other_passes_are_bf
     assert on.sequence_logprobs(prompt, completion) == off.sequence_logprobs(prompt, completion)
     assert on.greedy_tokens(prompt, 6) == off.greedy_tokens(prompt, 6)
     assert on.fp8.fp8_forwards == before and on.fp8.bf16_forwards > 0
+    quantized = on.fp8.quantizations
     m_on, m_off = on.train_step(GROUPS), off.train_step(GROUPS)
-    assert on.fp8.fp8_forwards > before
+    assert on.fp8.fp8_forwards > before and on.fp8.quantizations > quantized
+    assert on.fp8.reuses == on.fp8.fp8_forwards * 3 // 7  # k, v read q's x_q and up gate's: 4 forward quantizations
     assert m_on["kl_policy_ref"] == m_off["kl_policy_ref"]  # the KL passes ran bf16 (same adapter at step 0)
     assert m_on["loss"] == pytest.approx(m_off["loss"], rel=0.05, abs=1e-3)
     assert m_on["mismatch_kl"] != m_off["mismatch_kl"]  # computed from the fp8 forward
