@@ -61,7 +61,7 @@ from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
 from backends.training.kernels.fold_lora_b import fold_model
-from backends.training.kernels.fp8_base import Fp8Scope, available, quantize_model
+from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
 from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
 from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels.lean_ops import patch_model
@@ -214,6 +214,9 @@ class GRPOTrainer:
         self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
                                    if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
         self.fp8_lora_layers = quantize_model(self._lm, fusable_parts) if self.fp8 is not None else 0
+        if self.fp8 is not None:
+            log.info("fp8_base: %d LoRA linears' base weights quantized, %.2f GB of fp8 copies", self.fp8_lora_layers,
+                     copies_nbytes(self._lm) / 1e9)
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends.training.config import TrainerConfig
-from backends.training.kernels.fp8_base import Fp8Scope, Fp8Weight, quantize_rows
+from backends.training.kernels.fp8_base import Fp8Scope, Fp8Weight, copies_nbytes, quantize_rows
 from backends.training.kernels.fused_lora import LoraParts, LoraRuntime, lora_linear
 from backends.training.kernels.lean_ops import lora_swiglu
 from backends.training.trainer import GRPOTrainer
@@ -130,6 +130,9 @@ def test_a_trainer_step_with_fp8_is_close_to_fp8_off_and_its_other_passes_are_bf
     cfg = dict(memory_efficient_ops=lean, learning_rate=1e-3, kl_coef=0.2, micro_batch_tokens=16)
     on, off = _trainer(tiny_model_path, "on", **cfg), _trainer(tiny_model_path, "off", **cfg)
     assert on.fp8_lora_layers == 14 and off.fp8_lora_layers == 0 and on.folded_lora_layers == 0
+    quantized = [m.weight for m in on._lm.modules() if getattr(m, "_trajflow_fp8", None) is not None]
+    # two 1-byte copies (a bf16 weight's bytes) and a float32 scale per row and per column
+    assert copies_nbytes(on._lm) == sum(2 * w.numel() + 4 * sum(w.shape) for w in quantized)
     prompt, completion = [5, 6, 7, 8], [10, 11, 12]
     before = on.fp8.fp8_forwards
     # before any step both adapters are the same: the probe's passes must be the bf16 ones, bit for bit
