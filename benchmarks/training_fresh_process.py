@@ -56,6 +56,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 6 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-fold-h200.json
 
+    # the frozen base products as FP8 GEMMs (trainer.fp8_base, opt-in) against the defaults; the fp8 run also records
+    # once, after its steps, the mean and max |logprob fp8 - bf16| over step 0's rows (no grad: fp8_logprob_gap)
+    RUNS=defaults+warm-up:cold-cache,fp8+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 6 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-fp8-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -98,6 +104,8 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # against not folded, and folded everywhere it can be (q, k, v, o, down too: where the rule says it does not pay)
     "fold-off+warm-up": {"fold_lora_b": "off"},
     "fold-everywhere+warm-up": {"fold_lora_b": "on"},
+    # the frozen base weights' products in FP8 (fold_lora_b is off with it); the smoke turns fused_lora on for it
+    "fp8+warm-up": {"fp8_base": "on"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)
@@ -130,6 +138,24 @@ def lora_aware_flops(n_params: int, lora_params: int, shape: dict, row_lengths: 
     return 4 * n_params * tokens + 3 * attn_fwd + 6 * lora_params * tokens
 
 
+def fp8_logprob_gap(trainer, groups, max_row_tokens: int) -> dict:
+    """Mean and max |logprob_fp8 - logprob_bf16| over the trained tokens of ``groups``' rows: one no-grad forward
+    each way per micro-batch, the same adapter."""
+    import torch
+
+    from backends.training.token_rows import build_rows
+
+    rows = build_rows(groups, max_row_tokens=max_row_tokens)[0]
+    gaps = []
+    with torch.no_grad():
+        for mb in trainer.micro_batches(rows):
+            bf16 = trainer.token_logprobs(mb)
+            with trainer.fp8_scope():
+                gaps.append((trainer.token_logprobs(mb) - bf16).abs().float())
+    gap = torch.cat(gaps)
+    return {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": gap.numel()}
+
+
 def child(args) -> None:
     t_start = time.time()
     import torch
@@ -151,6 +177,8 @@ def child(args) -> None:
     settings = CONFIGS[args.config]
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
+    if args.smoke and settings.get("fp8_base") == "on":  # fused_lora's 'auto' is off on the CPU
+        settings = {"fused_lora": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
                         max_row_tokens=max_len, seed=0, backend="peft", **{**common, **settings})
@@ -228,7 +256,9 @@ def child(args) -> None:
         print(f"  [{args.config}] step {k}: {rec['tokens']:.0f} tok {wall:.2f}s = {rec['tok_s']:.0f} tok/s, "
               f"cpu {rec['cpu_s']:.2f}s, new graphs {rec['new_graphs']}, compile {rec['compile_s']:.1f}s, "
               f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
-    out = {"config": args.config, "settings": settings, "attention": trainer.attention_path,
+    fp8_gap = fp8_logprob_gap(trainer, data[0], max_len) if trainer.fp8 is not None else None
+    out = {"config": args.config, "settings": settings, "attention": trainer.attention_path, "fp8_logprob_gap": fp8_gap,
+           "fp8_lora_layers": trainer.fp8_lora_layers,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
@@ -259,6 +289,9 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "warm_up_runs": run.get("warm_up_runs", {}),
         "attention": run.get("attention"), "micro_batch_tokens": run.get("micro_batch_tokens"),
         "folded_lora_layers": run.get("folded_lora_layers"),
+        "fp8_lora_layers": run.get("fp8_lora_layers"),
+        # fp8 runs: |logprob fp8 - bf16| over step 0's trained tokens, measured once after the steps (no grad)
+        "fp8_logprob_gap": run.get("fp8_logprob_gap"),
         "attention_paths_steady": [x.get("attention_paths") for x in window],
         "step0_s": round(s[0]["wall_s"], 2),
         "first_in_process_tok_s": round(_rate(first)),

@@ -224,7 +224,23 @@ class TrainerConfig(BaseModel):
         "moves once into an `[out, in + r]` buffer whose first columns are the weight (a base model shared with an "
         "engine of the process gets its own copy of those weights). Same function up to rounding. 'auto': on CUDA, "
         "only modules where the y pass saved exceeds the copy paid (out > in + r: the MLP's gate and up at the 1.5B "
-        "shape); 'on': every fusable module, CPU included; 'off': none.",
+        "shape); 'on': every fusable module, CPU included; 'off': none. Off for every module while `fp8_base` is on "
+        "(an fp8 base product and a folded bf16 one cannot share a GEMM).",
+    )
+    fp8_base: Switch = Field(
+        default="off",
+        description="With `fused_lora`: the frozen base products of every fusable LoRA linear (`x W^T` forward, `g W` "
+        "backward) as FP8 GEMMs (`torch._scaled_mm`, e4m3, rowwise scales: x and g per token on the fly, W per output "
+        "row and per input column, quantized once at set-up; `backends/training/kernels/fp8_base.py`). Hopper runs "
+        "FP8 GEMMs at up to ~2x bf16, and these products are most of a step's FLOPs; the cost is the base product's "
+        "accuracy (a few percent relative error per GEMM; `train/mismatch_kl` and the ratio stats show the trainer's "
+        "logprobs against the sampler's) and two fp8 copies of the base weights (the bf16 weights' bytes once more). "
+        "The LoRA terms and their gradients stay bf16; only the training forward/backward uses fp8: the KL reference "
+        "and policy passes, the publish probe and any evaluation use the bf16 weights. `fold_lora_b` is off while this "
+        "is on. 'on': needs `torch._scaled_mm` on the device (CUDA compute capability 8.9+ with dtype bfloat16, or "
+        "the CPU) and `fused_lora`, else an error at set-up. 'auto': off for now; it turns on by default (on CUDA) "
+        "only once its speed and logprob gap are measured on the H200 (`benchmarks/training_fresh_process.py`, "
+        "run `fp8+warm-up`).",
     )
     compile_logprobs: Switch = Field(
         default="auto",
@@ -312,7 +328,7 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads", "fold_lora_b")
+        "accumulate_lora_grads", "fold_lora_b", "fp8_base")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -335,11 +351,14 @@ class TrainerConfig(BaseModel):
     def enabled(self, switch: str, on_cuda: bool) -> bool:
         """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b acts only
-        with fused_lora too, its 'auto' on CUDA."""
+        with fused_lora too, its 'auto' on CUDA, and never with fp8_base; fp8_base only with fused_lora, and only when
+        'on' ('auto' is off until measured)."""
         mode = getattr(self, switch)
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"
-        if switch == "fold_lora_b" and not self.enabled("fused_lora", on_cuda):
+        if switch == "fp8_base":
+            return mode == "on" and self.enabled("fused_lora", on_cuda)
+        if switch == "fold_lora_b" and (not self.enabled("fused_lora", on_cuda) or self.enabled("fp8_base", on_cuda)):
             return False
         return mode == "on" or (mode == "auto" and on_cuda)
 

@@ -32,7 +32,9 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
-LoRA's B product into the base product (``fold_lora_b``).
+LoRA's B product into the base product (``fold_lora_b``). Opt-in, the frozen base products of the training forward
+and backward run as FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training
+micro-batches (and the warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
 from backends.training.kernels.fold_lora_b import fold_model
+from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
 from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
 from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels.lean_ops import patch_model
@@ -202,12 +205,18 @@ class GRPOTrainer:
         fused, lean = config.enabled("fused_lora", on_cuda), config.enabled("memory_efficient_ops", on_cuda)
         # the fused ops' cast copies, reused inside a step's scope (lora_casts_scope) only
         self.lora_casts = CastCache()
-        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda))
+        # where the quantized base weights run in FP8: the training micro-batches' scope (fp8_scope) only
+        self.fp8 = self._fp8_scope(config, fused and peft_path)
+        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
                             if lean and peft_path else {})
         self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0
         self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
                                    if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
+        self.fp8_lora_layers = quantize_model(self._lm, fusable_parts) if self.fp8 is not None else 0
+        if self.fp8 is not None:
+            log.info("fp8_base: %d LoRA linears' base weights quantized, %.2f GB of fp8 copies", self.fp8_lora_layers,
+                     copies_nbytes(self._lm) / 1e9)
         if self.device.type == "cuda" and self.dtype != torch.float32:
             for m in self.model.modules():  # autocast runs LoRA in bf16: no per-layer fp32 copies of inputs
                 if hasattr(m, "cast_input_dtype_enabled"):
@@ -236,6 +245,27 @@ class GRPOTrainer:
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
         self.warm_up_runs: dict[str, int] = {}
         self.warm_up_s = self.warm_up() if config.enabled("warm_up", self.device.type == "cuda") else 0.0
+
+    def _fp8_scope(self, config: TrainerConfig, fused_peft: bool) -> Fp8Scope | None:
+        """The FP8 scope where ``fp8_base`` is on, else None; 'on' where it cannot run is an error naming why."""
+        if config.fp8_base != "on":
+            return None
+        if not fused_peft:
+            raise ValueError(f"fp8_base 'on' needs the fused LoRA ops (fused_lora 'on', or 'auto' on CUDA, and the "
+                             f"peft backend); got fused_lora={config.fused_lora!r}, backend {self.backend!r} on "
+                             f"{self.device}")
+        reason = available(self.device)
+        if reason is None and self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            reason = (f"fp8_base 'on' needs dtype bfloat16 on {self.device} (rowwise FP8 GEMMs write bf16), "
+                      f"not {self.dtype}")
+        if reason is not None:
+            raise RuntimeError(reason)
+        return Fp8Scope(compile=self.device.type == "cuda")
+
+    def fp8_scope(self):
+        """Where the quantized base weights run as FP8 GEMMs (``fp8_base``): the training micro-batches' forwards and
+        backwards; everything outside it (KL passes, probe, evaluation) reads the bf16 weights."""
+        return self.fp8.scope() if self.fp8 is not None else contextlib.nullcontext()
 
     def update_config(self, **overrides) -> TrainerConfig:
         """Change settings for the following steps (learning rate, loss, clip, aggregation, KL, batching...).
@@ -425,11 +455,12 @@ class GRPOTrainer:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             done = []
-            for k, b in enumerate(bins):
-                with phase(MICRO_BATCH):
-                    if k == len(batches):  # packed while the GPU still runs the previous micro-batch's backward
-                        batches.append(make_micro_batch([rows_here[i] for i in b], self.device))
-                    done.append(self._micro_batch_step(batches[k], eps, eps_high))
+            with self.fp8_scope():  # its logprobs, so mismatch_kl and the ratio stats, come from the fp8 forward
+                for k, b in enumerate(bins):
+                    with phase(MICRO_BATCH):
+                        if k == len(batches):  # packed while the GPU still runs the previous micro-batch's backward
+                            batches.append(make_micro_batch([rows_here[i] for i in b], self.device))
+                        done.append(self._micro_batch_step(batches[k], eps, eps_high))
         with phase(UPDATE):
             # one process: the gradient norm (and its clipping) is queued behind the last backward and read with the
             # metrics, so the host waits for the device once; data-parallel sums the gradients over the ranks first
@@ -501,14 +532,15 @@ class GRPOTrainer:
         runs = {"micro_batches": 0, "tokens": 0, "bucket": 1, "bucket_lengths": 0}
         was_training = self.model.training
         self.model.train()
-        for lengths in self._warm_up_lengths(micro_batches):
-            for mb in self._micro_batches([self._warm_up_row(n) for n in lengths]):
-                logp, _ = self._token_logprobs(mb)
-                res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
-                                  loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
-                (res.loss * 0.0).backward()
-                runs["micro_batches"] += 1
-                runs["tokens"] += mb.tokens
+        with self.fp8_scope():  # the training forwards' kernels, the fp8 quantization's compile included
+            for lengths in self._warm_up_lengths(micro_batches):
+                for mb in self._micro_batches([self._warm_up_row(n) for n in lengths]):
+                    logp, _ = self._token_logprobs(mb)
+                    res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
+                                      loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
+                    (res.loss * 0.0).backward()
+                    runs["micro_batches"] += 1
+                    runs["tokens"] += mb.tokens
         mode, padded = self.attention.padded_lengths(budget) if self.attention is not None else (None, [])
         if padded:
             with self._autocast():

@@ -18,7 +18,9 @@ dropout, not merged, adapters enabled, frozen base weight and bias; anything els
 Two per-micro-batch costs around the products are optional (``LoraRuntime``, shared by every patched module):
 A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL/dB added straight into the fp32
 masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``). A module
-whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead.
+whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead; one whose
+base weight was quantized (``fp8_base``) takes x W^T and g W as FP8 GEMMs inside the trainer's training scope, the
+LoRA terms unchanged (never both: fp8 modules are not folded).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from backends.training.kernels.fold_lora_b import (
     folded_product,
     runs_folded,
 )
+from backends.training.kernels.fp8_base import Fp8Scope, Fp8Use, Fp8Weight, base_input_grad, base_product, fp8_of
 from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
 from backends.training.kernels.lora_grad_accumulation import accumulate
 
@@ -50,16 +53,22 @@ class LoraParts:
     lora_b: torch.Tensor
     scaling: float
     fold: FoldedWeight | None = None  # the base weight's [W | (sB)_c] buffer where it was folded (fold_lora_b)
+    fp8: Fp8Weight | None = None  # the base weight's fp8 copies where it was quantized (fp8_base)
 
 
 @dataclass(frozen=True)
 class LoraRuntime:
     """What the fused ops of one trainer share: ``casts``, the cache of A_c and (sB)_c (None: made per call), and
     ``grads_into_masters``: dL/dA and dL/dB added into the masters' ``.grad`` by the op itself (False: returned to
-    autograd)."""
+    autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never)."""
 
     casts: CastCache | None = None
     grads_into_masters: bool = False
+    fp8: Fp8Scope | None = None
+
+    def fp8_use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
+        """The fp8 copies one forward takes (``Fp8Scope.use``), or None: the base product in ``dtype``."""
+        return None if self.fp8 is None else self.fp8.use(fp8, weight, dtype)
 
 
 PLAIN = LoraRuntime()
@@ -71,18 +80,17 @@ def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype, casts: CastC
             *lora_casts(casts, lora_a, lora_b, scaling, dtype))
 
 
-def lora_forward(x2, w, bias, a, sb):
-    """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T."""
+def lora_forward(x2, w, bias, a, sb, fp8: Fp8Use | None = None):
+    """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T (x W^T in FP8 where ``fp8`` is given)."""
     z = x2 @ a.t()
-    y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+    y = base_product(x2, w, bias, fp8)
     y.addmm_(z, sb.t())
     return y, z
 
 
-def lora_input_grad(g, gz, w, a, into=None):
-    """dL/dx = g W + gz A (gz = dL/dz = g sB), added into ``into`` when given."""
-    grad_x = (g @ w) if into is None else into.addmm_(g, w)
-    return grad_x.addmm_(gz, a)
+def lora_input_grad(g, gz, w, a, into=None, fp8: Fp8Use | None = None):
+    """dL/dx = g W + gz A (gz = dL/dz = g sB), added into ``into`` when given (g W in FP8 where ``fp8`` is given)."""
+    return base_input_grad(g, w, fp8, into).addmm_(gz, a)
 
 
 def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool = False, needs=(True, True)):
@@ -101,27 +109,28 @@ def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool =
 
 
 def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
-                  needs=(True, True)):
+                  needs=(True, True), fp8: Fp8Use | None = None):
     """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``)."""
     gz = g @ sb
-    grad_x = lora_input_grad(g, gz, w, a) if need_x else None
+    grad_x = lora_input_grad(g, gz, w, a, fp8=fp8) if need_x else None
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime,
-                fold: FoldedWeight | None):
+                fold: FoldedWeight | None, fp8: Fp8Weight | None):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
             ctx.folded = runs_folded([fold], [weight], [sb])
+            ctx.fp8 = None if ctx.folded else runtime.fp8_use(fp8, weight, dtype)
             if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
                 xz, _ = fold_input(x2, a)
                 y = folded_product(xz, fold.extended(sb), b)
                 x2, w, z = xz, fold.buffer, None
             else:
-                y, z = lora_forward(x2, w, b, a, sb)
+                y, z = lora_forward(x2, w, b, a, sb, ctx.fp8)
         ctx.save_for_backward(x2, w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
@@ -137,10 +146,10 @@ class _LoraLinear(torch.autograd.Function):
         else:
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
-                                                   needs=ctx.needs_input_grad[3:5])
+                                                   needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, grad_a, grad_b, None, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 
 def _folded_backward(ctx, g, xz, w_ext, a, sb):
@@ -155,10 +164,11 @@ def _folded_backward(ctx, g, xz, w_ext, a, sb):
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None,
-                runtime: LoraRuntime = PLAIN, fold: FoldedWeight | None = None):
+                runtime: LoraRuntime = PLAIN, fold: FoldedWeight | None = None, fp8: Fp8Weight | None = None):
     """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's; ``fold``: the buffer that
-    ``weight`` lives in, as one product where it fits)."""
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime, fold)
+    ``weight`` lives in, as one product where it fits; ``fp8``: the weight's fp8 copies, used inside ``runtime``'s
+    fp8 scope)."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime, fold, fp8)
 
 
 def fusable_parts(layer) -> LoraParts | None:
@@ -179,7 +189,8 @@ def fusable_parts(layer) -> LoraParts | None:
     a, b = layer.lora_A[name], layer.lora_B[name]
     if a.bias is not None or b.bias is not None:
         return None
-    return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]), folded_of(base))
+    return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]), folded_of(base),
+                     fp8_of(base))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -193,7 +204,7 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     if parts is None:
         return self._trajflow_peft_forward(x, *args, **kwargs)
     return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,
-                             compute_dtype(x), self._trajflow_lora_runtime, parts.fold)
+                             compute_dtype(x), self._trajflow_lora_runtime, parts.fold, parts.fp8)
 
 
 def patch_lora(model, runtime: LoraRuntime = PLAIN) -> int:

@@ -30,6 +30,8 @@ left alone. The MLP takes the fused LoRA path only when all three projections ar
 With gate and up folded as one group (``fold_lora_b``: their weights in [W | .. (sB)_c ..] buffers that read one
 xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the same bytes) and gets gate's and up's
 outputs, and in backward dL/dx with both dL/dz's, one product per projection; down folded alone works the same on h.
+A projection not folded whose base weight was quantized (``fp8_base``) takes its x W^T and g W as FP8 GEMMs inside
+the trainer's training scope, its LoRA terms unchanged.
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ class _LoraSwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; see the module docstring for what is stored."""
 
     @staticmethod
-    def forward(ctx, x, scalings, dtype, compile, runtime, folds, gate_w, gate_a, gate_b, up_w, up_a, up_b, down_w,
-                down_a, down_b):
+    def forward(ctx, x, scalings, dtype, compile, runtime, folds, fp8s, gate_w, gate_a, gate_b, up_w, up_a, up_b,
+                down_w, down_a, down_b):
         gate_fold, up_fold, down_fold = folds
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
@@ -126,6 +128,10 @@ class _LoraSwiGLU(torch.autograd.Function):
             dw, _, da, dsb = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
             ctx.fold_pair = runs_folded([gate_fold, up_fold], [gate_w, up_w], [gsb, usb])
             ctx.fold_down = runs_folded([down_fold], [down_w], [dsb])
+            # the fp8 copies each unfolded projection takes (None: its bf16 product), kept for the backward
+            ctx.fp8 = gate_fp8, up_fp8, down_fp8 = [
+                None if folded else runtime.fp8_use(f, w, dtype)
+                for folded, f, w in zip((ctx.fold_pair, ctx.fold_pair, ctx.fold_down), fp8s, (gate_w, up_w, down_w))]
             a_pair = None
             if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
                 a_pair = torch.cat([ga, ua])
@@ -133,8 +139,8 @@ class _LoraSwiGLU(torch.autograd.Function):
                 gw, uw = gate_fold.extended(gsb), up_fold.extended(usb)
                 g, u, z_gate, z_up = folded_product(x2, gw), folded_product(x2, uw), None, None
             else:
-                g, z_gate = lora_forward(x2, gw, None, ga, gsb)
-                u, z_up = lora_forward(x2, uw, None, ua, usb)
+                g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8)
+                u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8)
             h = kernel(_silu_mul, compile)(g, u)
             if ctx.fold_down:  # [h | z_down] is not kept: backward recomputes h
                 hz, z_down = fold_input(h, da)
@@ -142,7 +148,7 @@ class _LoraSwiGLU(torch.autograd.Function):
                 y = folded_product(hz, dw)
                 del hz
             else:
-                y, z_down = lora_forward(h, dw, None, da, dsb)
+                y, z_down = lora_forward(h, dw, None, da, dsb, down_fp8)
         ctx.save_for_backward(x2, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da, dsb, a_pair)
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
@@ -155,16 +161,17 @@ class _LoraSwiGLU(torch.autograd.Function):
         x2, g, u, z_gate, z_up, z_down, *weights, a_pair = ctx.saved_tensors
         (gw, ga, gsb), (uw, ua, usb), (dw, da, dsb) = weights[0:3], weights[3:6], weights[6:9]
         s_gate, s_up, s_down = ctx.scalings
+        gate_fp8, up_fp8, down_fp8 = ctx.fp8
         dy = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
         if ctx.fold_down:
             dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
         else:
             gz = dy @ dsb
-            dh = lora_input_grad(dy, gz, dw, da)
+            dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8)
         grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
         del dh
         needs = ctx.needs_input_grad
-        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[13:15])
+        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[14:16])
         del h
         grad_x = None
         if ctx.fold_pair:
@@ -178,12 +185,14 @@ class _LoraSwiGLU(torch.autograd.Function):
         else:
             gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
             if needs[0]:
-                grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=lora_input_grad(grad_g, gz_gate, gw, ga))
+                grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8)
+                grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=grad_x, fp8=up_fp8)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters, needs[7:9])
-        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[10:12])
-        return (grad_x, None, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
+        gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters,
+                                      needs[8:10])
+        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[11:13])
+        return (grad_x, None, None, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
 
 
 def rms_norm(x, weight, eps, compile: bool = False):
@@ -197,7 +206,8 @@ def silu_mul(gate, up, compile: bool = False):
 def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: LoraRuntime = PLAIN):
     """down(silu(gate(x)) * up(x)) for three bias-free ``LoraParts`` in one autograd op."""
     scalings, folds = (gate.scaling, up.scaling, down.scaling), (gate.fold, up.fold, down.fold)
-    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, folds, gate.weight, gate.lora_a,
+    fp8s = (gate.fp8, up.fp8, down.fp8)
+    return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, folds, fp8s, gate.weight, gate.lora_a,
                              gate.lora_b, up.weight, up.lora_a, up.lora_b, down.weight, down.lora_a, down.lora_b)
 
 

@@ -190,3 +190,12 @@ def test_every_auto_on_off_switch_takes_a_bare_on_or_off():
             assert getattr(getattr(cfg, section), name) == word, f
     with pytest.raises(ConfigError, match="trainer.fused_lora: input should be 'auto', 'on' or 'off', got 'maybe'"):
         load_config("configs/tiny.yaml", ["trainer.fused_lora=maybe"])
+
+
+def test_fp8_base_is_opt_in_and_set_from_the_command_line():
+    assert load_config("configs/tiny.yaml").trainer.fp8_base == "off"
+    cfg = load_config("configs/tiny.yaml", ["trainer.fp8_base=on"])
+    assert cfg.trainer.fp8_base == "on"
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")).trainer.fp8_base == "on"
+    with pytest.raises(ConfigError, match="trainer.fp8_base: input should be 'auto', 'on' or 'off'"):
+        load_config("configs/tiny.yaml", ["trainer.fp8_base=e4m3"])

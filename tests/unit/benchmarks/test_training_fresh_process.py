@@ -1,0 +1,35 @@
+"""The fresh-process training benchmark's fp8 run: its configuration, and the logprob gap it records once."""
+
+import pytest
+
+from backends.training.config import TrainerConfig
+from backends.training.token_rows import build_rows
+from backends.training.trainer import GRPOTrainer
+from benchmarks.training_fresh_process import CONFIGS, fp8_logprob_gap, summarise_run
+from tests.fixtures_trainer import synthetic_group
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_the_fp8_run_turns_fp8_base_on_and_nothing_else():
+    assert CONFIGS["fp8+warm-up"] == {"fp8_base": "on"}
+    TrainerConfig(**CONFIGS["fp8+warm-up"])
+
+
+def test_the_gap_compares_the_fp8_forward_with_the_bf16_one_on_the_same_rows(tiny_model_path):
+    groups = [synthetic_group([0.0, 1.0, 0.5]), synthetic_group([2.0, 0.0])]
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on", fp8_base="on", micro_batch_tokens=16))
+    before = trainer.fp8.fp8_forwards
+    gap = fp8_logprob_gap(trainer, groups, max_row_tokens=64)
+    assert gap["tokens"] == sum(r.trained_tokens for r in build_rows(groups, max_row_tokens=64)[0])
+    assert 0 < gap["mean"] <= gap["max"] < 0.5
+    assert trainer.fp8.fp8_forwards > before and trainer.fp8._open is False
+
+
+def test_the_summary_carries_the_gap():
+    step = {"step": 0, "wall_s": 1.0, "done_at": 11.0, "tokens": 100, "peak_gib": 1.0, "flops_lora_aware": 1e12}
+    run = {"config": "fp8+warm-up", "cache": "cold-cache", "spawned_at": 0.0, "t_imported": 1.0, "t_model": 2.0,
+           "t_trainer": 3.0, "warm_up_s": 0.5, "n_params": 10, "steps": [step, {**step, "step": 1}],
+           "fp8_lora_layers": 196, "fp8_logprob_gap": {"mean": 0.01, "max": 0.2, "tokens": 5}}
+    summary = summarise_run(run, steady_steps=1)
+    assert summary["fp8_lora_layers"] == 196 and summary["fp8_logprob_gap"]["max"] == 0.2
