@@ -142,10 +142,11 @@ class StandInDecodeStep:
         return rows, length
 
     def launch(self, batch: int, length: int, lora: bool, top_p: bool, lora_slots: int | None = None,
-               carry=None, top_rows: list[int] = (), top_k: int = 0, single_slot: int | None = None):
+               carry=None, top_rows: list[int] = (), top_k: int = 0, single_slot: int | None = None,
+               merged: bool = False):
         """Returns at once; the `Launched`'s fetch waits for the step's modelled end. The tokens come from the
-        uniform draws, which the host knows; `carry` (tokens on the device) is therefore not needed, nor is
-        `single_slot` (the modelled step takes as long either way)."""
+        uniform draws, which the host knows; `carry` (tokens on the device) is therefore not needed, nor are
+        `single_slot` and `merged` (the modelled step takes as long either way)."""
         from backends.inference.cuda_graphs import copy_back
 
         u = self.host[5, :batch]
