@@ -98,6 +98,8 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # against not folded, and folded everywhere it can be (q, k, v, o, down too: where the rule says it does not pay)
     "fold-off+warm-up": {"fold_lora_b": "off"},
     "fold-everywhere+warm-up": {"fold_lora_b": "on"},
+    # rotary embedding as transformers' elementwise kernels, against the one fused op per layer (on by default on CUDA)
+    "rope-off+warm-up": {"fused_rope": "off"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)
