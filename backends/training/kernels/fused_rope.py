@@ -7,10 +7,11 @@ transformers' ``apply_rotary_pos_emb`` runs this as 5 elementwise ops per tensor
 8 backward (two of them ``slice_backward``: a zero fill and a copy each; and a clone of the gradient, which reaches
 the projection in another layout than q_proj wrote), each a full pass over q or k and a launch from the host: one
 Qwen2 attention layer ran 50 computing aten ops forward + backward on the CPU, 24 with this op counted as one kernel
-(tests/unit/backends/training/test_fused_rope.py). ``_FusedRope`` computes
-each of q' and k' in float32 from the inputs and rounds once (one compiled kernel call for both on CUDA through
-``backends.training.kernels.torch_compile``, eager on the CPU, where in float32 it is bit-identical to stock: the same
-operations in the same order), and keeps only cos and sin (shared by q and k) for backward.
+(tests/unit/backends/training/test_fused_rope.py). ``_FusedRope`` computes each of q' and k' in float32 from the
+inputs and rounds once, and keeps only cos and sin (shared by q and k) for backward. q and k differ in heads (12 and 2
+at 1.5B), so they go through ONE call of one compiled function each way (one host call, a kernel per tensor at most)
+on CUDA through ``backends.training.kernels.torch_compile``; eager on the CPU, where in float32 it is bit-identical to
+stock (the same operations in the same order).
 
 Layout: with the stock ``unsqueeze_dim=1`` q arrives as ``[B, H, L, D]``, a transposed view of q_proj's ``[B, L, H, D]``
 output. The op computes on the ``[B, L, H, D]`` view and returns its transpose, so q' and k' keep q_proj's layout,
