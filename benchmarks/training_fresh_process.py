@@ -106,6 +106,8 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "fold-everywhere+warm-up": {"fold_lora_b": "on"},
     # the frozen base weights' products in FP8 (fold_lora_b is off with it); the smoke turns fused_lora on for it
     "fp8+warm-up": {"fp8_base": "on"},
+    # rotary embedding as transformers' elementwise kernels, against the one fused op per layer (on by default on CUDA)
+    "rope-off+warm-up": {"fused_rope": "off"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)

@@ -191,6 +191,16 @@ class TrainerConfig(BaseModel):
         "'auto': on for CUDA, off on CPU (CPU numerics stay identical to stock). See "
         "benchmarks/results/training-h200.md for tokens/s and peak memory with and without.",
     )
+    fused_rope: Switch = Field(
+        default="auto",
+        description="Rotate q and k by the rotary embedding in ONE autograd op per attention layer (Llama, Qwen2, "
+        "Qwen3, Mistral; backends/training/kernels/fused_rope.py): `q' = q cos + R(q) sin`, `R(x) = cat(-x2, x1)`, in "
+        "float32, rounded once, compiled on CUDA (one more small compile in the warm-up); backward `g cos - R(g sin)`, keeping only cos and sin. Stock transformers runs 5 "
+        "elementwise ops per tensor forward and 8 backward (a layer's 50 computing ops forward + backward become 24 on "
+        "the CPU, the op counted as one kernel). Same function up to bf16 rounding (bit-identical "
+        "in float32). An error at set-up if transformers' apply_rotary_pos_emb changed its signature or formula. "
+        "peft backend only. 'auto': on wherever memory_efficient_ops is; its H200 tokens/s is not yet measured.",
+    )
     fused_lora: Switch = Field(
         default="auto",
         description="Run each LoRA linear as one fused op (scaling folded into B, the adds into the matrix "
@@ -328,7 +338,7 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads", "fold_lora_b", "fp8_base")
+        "accumulate_lora_grads", "fold_lora_b", "fp8_base", "fused_rope")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")

@@ -188,7 +188,9 @@ def _flash_varlen(query, key, value, spans: RowSpans, scale: float | None) -> to
     # autocast casts nothing for a custom op: its dtype for all three, as it would give SDPA
     where = query.device.type
     dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else query.dtype
-    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [L, H, D]: the layout q_proj wrote
+    # squeeze, not [0]: indexing's backward is a zero fill and a copy into the standard [1, H, L, D] layout, which
+    # the projections' reshape then copies again (``_split_rows`` alike); squeeze's backward is a view
+    q, k, v = (x.squeeze(0).transpose(0, 1).to(dtype) for x in (query, key, value))  # [L, H, D]: q_proj's layout
     out = call.fn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len, spans.max_len, **kwargs)
     return out[None]
 
@@ -234,7 +236,7 @@ def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[
     Split along the sequence in the [L, H, D] layout q_proj wrote; ``unsqueeze`` then gives the batch dimension the
     stride ``m*H*D``, so a padded row's strides depend on m alone (a cuDNN plan is keyed by strides too)."""
     rows = []
-    for piece in x[0].transpose(0, 1).split(lengths):  # [n, H, D] each
+    for piece in x.squeeze(0).transpose(0, 1).split(lengths):  # [n, H, D] each; squeeze: see _flash_varlen
         pad = bucketed(piece.shape[0], bucket) - piece.shape[0]
         if pad:
             piece = torch.nn.functional.pad(piece, (0, 0, 0, 0, 0, pad))

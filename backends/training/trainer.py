@@ -64,6 +64,7 @@ from backends.training.kernels.fold_lora_b import fold_model
 from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
 from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
 from backends.training.kernels.lora_cast_cache import CastCache
+from backends.training.kernels import fused_rope
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
 from backends.training.losses import LossResult, assign_aggregation_weights, policy_loss
@@ -210,6 +211,8 @@ class GRPOTrainer:
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
                             if lean and peft_path else {})
+        self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)
+                                  if peft_path and fused_rope.enabled(config.fused_rope, lean) else 0)
         self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0
         self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
                                    if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
