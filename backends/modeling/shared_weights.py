@@ -10,6 +10,11 @@ writes base weights in place (merging an adapter into them) must load without ``
 
 The first load is kept as the pristine source (never handed out, so no user's LoRA wrappers are copied into the next
 twin); each twin holds it, and the registry holds it only weakly, so the weights are freed with the last twin.
+
+A user that gives a frozen weight a home of its own (``fold_lora_b`` moves it into a wider buffer whose first columns
+are the weight) calls ``moved(old, new)``: the source then reads the new tensor, so twins made later share it and the
+old storage is freed with the last twin made before (without it, a process with a trainer alone would hold those
+weights twice: the source keeps the old storage alive for twins that may never come).
 """
 
 from __future__ import annotations
@@ -48,3 +53,20 @@ def shared_model(key: tuple, load):
         model = twin(source)
         _HELD_BY[model] = source
     return model
+
+
+def moved(old, new) -> None:
+    """Point every source parameter that is ``old`` (same storage, offset, shape and device) at ``new`` (a tensor
+    with ``old``'s values, e.g. a view into a wider buffer); parameters tied to one stay tied to one."""
+    import torch
+
+    with _LOCK:
+        for source in list(_SOURCES.values()):
+            replaced: dict[int, torch.nn.Parameter] = {}
+            for module in source.modules():
+                for name, p in module._parameters.items():
+                    if p is None or p.device != old.device or p.data_ptr() != old.data_ptr() or p.shape != old.shape:
+                        continue
+                    if id(p) not in replaced:
+                        replaced[id(p)] = torch.nn.Parameter(new.detach(), requires_grad=p.requires_grad)
+                    module._parameters[name] = replaced[id(p)]

@@ -32,9 +32,10 @@ Choices:
 - The buffer's dtype is the weight's: a call whose compute dtype differs, whose adapter's rank is not the one the
   buffer was built for, or whose module's weight no longer lives in the buffer (``Module.to`` and the like give it
   a tensor of its own) runs the unfolded op on the module's weight (same function).
-- Where the trainer shares its base weights with an engine of the process (``backends.modeling.shared_weights``), the
-  folded modules' weights become the trainer's own copies (the engine's are left untouched): the memory of those
-  modules' weights once more.
+- The trainer's base weights are shared (``backends.modeling.shared_weights``): a folded weight moves out of the
+  shared storage, and the kept first load is pointed at the buffer's view too (``shared_weights.moved``), so a
+  process with a trainer alone holds it once and an engine started later reads the same view. An engine started
+  before keeps the old storage (left untouched): the memory of the folded modules' weights once more.
 
 Bytes moved per micro-batch that folding saves (+) and pays (-), computed by ``saved_bytes`` (not timed), for the
 Qwen2.5-1.5B shape (hidden 1536, intermediate 8960, q 12 x 128, k and v 2 x 128, r 16) in bf16 at 16,384 tokens, per
@@ -61,6 +62,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from backends.modeling import shared_weights
 
 
 @dataclass
@@ -121,6 +124,7 @@ def fold_linears(linears: list[torch.nn.Linear], ranks: list[int]) -> list[Folde
         buffer = torch.zeros(w.shape[0], w.shape[1] + width, dtype=w.dtype, device=w.device)
         buffer[:, :w.shape[1]].copy_(w.detach())
         linear.weight = torch.nn.Parameter(buffer[:, :w.shape[1]], requires_grad=False)
+        shared_weights.moved(w, linear.weight)
         linear._trajflow_fold = FoldedWeight(buffer, w.shape[1], offset, rank, width)
         folds.append(linear._trajflow_fold)
         offset += rank

@@ -73,3 +73,38 @@ def test_shared_weights_are_one_copy_while_used_and_freed_with_the_last_user(tin
     del b, pairs
     gc.collect()
     assert key not in _SOURCES
+
+
+def _storage_bytes(*models) -> int:
+    """Bytes of the distinct storages that `models`' parameters and buffers live in."""
+    storages = {}
+    for model in models:
+        for t in [*model.parameters(), *model.buffers()]:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_a_trainer_that_folds_keeps_one_copy_of_the_folded_weights_and_a_later_engine_reads_it(tiny_model_path):
+    """fold_lora_b moves gate and up (every fusable linear under 'on') into [out, in + r] buffers. The pristine first
+    load that shared_weights keeps for later twins must point there too: otherwise a process with a trainer alone (the
+    flow's GPU worker) holds those weights twice. An engine started afterwards serves the same weights from them."""
+    dtype = torch.bfloat16  # a key of its own on the CPU: the engines of other tests hold float32 twins
+    key = (str(resolve_model("tiny-random").path.resolve()), "cpu", str(dtype))
+    reference, _, _ = load_model("tiny-random", dtype=dtype)
+    trainer = GRPOTrainer("tiny-random", TrainerConfig(lora_rank=4, lora_alpha=8, dtype="bfloat16", fused_lora="on",
+                                                       memory_efficient_ops="on", fold_lora_b="on"))
+    assert trainer.folded_lora_layers > 0
+    source = _SOURCES[key]
+    assert _storage_bytes(source, trainer.model) == _storage_bytes(trainer.model), "the folded weights, twice"
+    engine = Engine.from_pretrained("tiny-random", dtype=dtype, config=EngineConfig(max_batch_size=2, max_loras=1))
+    try:
+        served, plain = dict(engine.model.named_parameters()), dict(reference.named_parameters())
+        assert all(torch.equal(served[n], plain[n]) for n in plain)
+        trained = _base_weights(trainer)
+        assert all(served[n].data_ptr() == trained[n].data_ptr() for n in served)  # one copy for both
+        tokens, _ = _greedy(engine, [5, 6, 7, 8])
+        trainer.train_step([synthetic_group([0.0, 1.0, 0.0, 1.0])])
+        assert all(torch.equal(served[n], plain[n]) for n in plain), "training wrote a served weight"
+        assert _greedy(engine, [5, 6, 7, 8])[0] == tokens
+    finally:
+        engine.shutdown()
