@@ -200,3 +200,77 @@ async def test_overlapped_decode_streams_the_same_tokens(overlap_server):
     _assert_chat_matches(*short, logprobs=False)
     _assert_chat_matches(*long_, logprobs=False)
     await client.close()
+
+
+async def test_n_2_with_a_stop_string_and_logprobs_streams_each_choice_as_its_plain_answer(client, tiny_hf):
+    """Two choices, the first stopping at a stop string split across two of its tokens, with logprobs: each choice's
+    deltas, token ids, logprobs and finish reason add up to that choice's plain answer."""
+    _, tok = tiny_hf
+    kw = dict(max_tokens=30, seed=13, n=2)
+    free = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, **kw)
+    ids = free.choices[0].token_ids
+    texts = [tok.decode([t]) for t in ids]
+    k = next(k for k in range(3, len(ids) - 1) if texts[k].strip() and texts[k + 1].strip()
+             and (texts[k] + texts[k + 1]) in free.choices[0].message.content)
+    stop = texts[k][-1] + texts[k + 1][:2]
+    plain, chunks = await _chat_both(client, **kw, stop=[stop], logprobs=True, top_logprobs=1)
+    assert plain.choices[0].finish_reason == "stop"
+    _assert_chat_matches(plain, chunks, logprobs=True)
+    assert all(stop not in (c.delta.content or "") for chunk in chunks for c in chunk.choices)
+
+
+def test_max_tokens_inside_a_utf8_character_ends_as_the_plain_text(tiny_hf):
+    """The answer ends (max_tokens) on a token that ends inside a UTF-8 character: the held-back bytes come in the
+    last chunk exactly as the non-streamed text has them (the engine's decode, U+FFFD included)."""
+    from backends.inference.engine import Accepted, Completion
+    from backends.serving.completions import CompletionRequest
+    from backends.serving.stream_chunks import CompletionChunks
+    from backends.serving.token_text import TokenText
+
+    _, tok = tiny_hf
+    ids = tok("ok 🎉", add_special_tokens=False)["input_ids"]
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    sampled = ids[:cut]
+    plain_text = tok.decode(sampled, skip_special_tokens=True)  # what Engine._completion answers
+    req = CompletionRequest(model="tiny-random", prompt=[[5, 6]], max_tokens=cut, stream=True)
+    chunks = CompletionChunks(req, [[5, 6]], TokenText(tok))
+    sent = ""
+    for t in sampled:
+        event = chunks.encode(tok, [(0, [Accepted(0, t, -1.0, None)])])
+        sent += "".join(__import__("json").loads(line[6:])["choices"][0]["text"]
+                        for line in event.decode().splitlines() if line.startswith("data: {"))
+    assert "\ufffd" not in sent
+    done = Completion(sampled, [-1.0] * cut, [None] * cut, "length", plain_text, None)
+    last = chunks.last(0, done)
+    assert sent + last["text"] == plain_text and last["finish_reason"] == "length"
+
+
+async def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(tiny_server, monkeypatch):
+    """A decode step that fails after the first chunks were sent: the stream ends with an error event and [DONE]
+    (the status line is gone), the request's sequences are freed, and the engine serves the next request."""
+    engine = tiny_server.engine
+    await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "an idle engine")
+    decode, calls = engine._decode, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected decode failure")
+        return decode()
+
+    monkeypatch.setattr(engine, "_decode", failing)
+    body = {"model": "tiny-random", "messages": MESSAGES, "n": 2, "max_tokens": 60, "ignore_eos": True, "seed": 3,
+            "stream": True, "logprobs": True}
+    async with httpx.AsyncClient(base_url=tiny_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+    assert any('"token_ids"' in line for line in lines[:-2])  # tokens came before the failure
+    assert "injected decode failure" in lines[-2] and '"error"' in lines[-2]
+    assert lines[-1] == "data: [DONE]"
+    monkeypatch.setattr(engine, "_decode", decode)
+    await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "the engine to drop them")
+    assert len(engine._free) == engine.max_batch
+    again = await _client(tiny_server).chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=4)
+    assert again.choices[0].finish_reason == "length"
