@@ -247,6 +247,46 @@ def test_resume_is_bit_exact(tiny_model_path, tmp_path):
         3 * resumed.metrics_history[1]["learning_rate"])
 
 
+def _checkpoint_form(path) -> tuple:
+    """What a checkpoint holds, up to its values: the adapter's tensors and config, the optimizer state's layout."""
+    from backends.training.checkpoint import read_checkpoint
+
+    weights, state, _, _ = read_checkpoint(path)
+    adapter = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+    slots = {i: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in state["optimizer"]["state"].items()}
+    config = json.loads((path / "adapter" / "adapter_config.json").read_text())
+    return adapter, slots, [g["params"] for g in state["optimizer"]["param_groups"]], config
+
+
+SWITCHED = {"off": dict(fold_lora_b="off"), "fold": dict(fold_lora_b="on"), "fp8": dict(fp8_base="on")}
+
+
+@pytest.mark.parametrize("saved,resumed", [("fold", "off"), ("off", "fold"), ("fp8", "off"), ("off", "fp8")])
+def test_a_checkpoint_resumes_with_fold_or_fp8_switched(tiny_model_path, tmp_path, saved, resumed):
+    """'auto' differs between CPU and CUDA machines, so a run saved with fold_lora_b or fp8_base on resumes with it
+    off and the other way round: the checkpoint is the same in form, and the resumed step is the one a trainer with
+    the resumed settings takes from the same state (fp8 moves it by its rounding only)."""
+    cfg = dict(RESUME_CFG, fused_lora="on", memory_efficient_ops="on", fused_rope="on")
+    for mode in {saved, "off"}:
+        trainer = _trainer(tiny_model_path, **cfg, **SWITCHED[mode])
+        trainer.train_step(_resume_groups(0))
+        trainer.save_checkpoint(tmp_path / mode)
+    assert _checkpoint_form(tmp_path / saved) == _checkpoint_form(tmp_path / "off")
+    steps = {}
+    for mode in {resumed, "off"}:
+        trainer = _trainer(tiny_model_path, **cfg, **SWITCHED[mode])
+        trainer.load_checkpoint(tmp_path / saved)
+        steps[mode] = trainer.train_step(_resume_groups(1)), _lora_state(trainer)
+    (metrics, weights), (ref_metrics, ref_weights) = steps[resumed], steps["off"]
+    tol = 0.02 if "fp8" in (saved, resumed) else 1e-5
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=tol, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=tol)
+    # an Adam step moves each weight by up to ~lr whatever its gradient: compare the moves, bounded by lr
+    assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= (
+        2.5 * cfg["learning_rate"] if "fp8" in (saved, resumed) else 1e-6)
+
+
 def test_checkpoint_is_a_peft_adapter(tiny_model_path, tmp_path):
     from peft import PeftModel
 
