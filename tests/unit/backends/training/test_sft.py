@@ -79,3 +79,38 @@ def test_trajectories_and_conversations_train_alike(tiny_model_path):
         results.append({k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k})
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
     assert any(v.abs().sum() > 0 for v in results[0].values())
+
+
+@pytest.mark.parametrize("switch", [dict(fused_rope="on"), dict(fold_lora_b="on"), dict(fp8_base="on")],
+                         ids=["fused_rope", "fold_lora_b", "fp8_base"])
+def test_sft_the_reference_pass_and_peft_merges_with_each_switch_on(tiny_model_path, switch):
+    """SFT takes the same steps with each of the day's switches on as with all off (its steps run outside the FP8
+    scope: bf16 products, like the KL passes); with the adapter disabled (the KL reference) the model is the plain
+    base model; peft's merge_adapter gives the adapter's logits and unmerge_adapter gives them back. The trainers load
+    their own weights: a merge writes the base weights in place, which the shared ones must never be."""
+    from backends.modeling.loading import load_model
+
+    base = dict(seed=0, fused_lora="on", memory_efficient_ops="on", fused_rope="off", fold_lora_b="off")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    plain, _, _ = load_model(str(tiny_model_path))
+    with torch.no_grad():
+        want_base = plain(input_ids=ids).logits
+    runs = {}
+    for name, cfg in (("off", base), ("on", {**base, **switch})):
+        own, tok, _ = load_model(str(tiny_model_path))
+        trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**cfg), model=own, tokenizer=tok)
+        run_sft(trainer, ARITHMETIC, epochs=2, learning_rate=1e-2)
+        trainer.model.eval()
+        with torch.no_grad():
+            adapted = trainer.model(input_ids=ids).logits
+            with trainer.model.disable_adapter():
+                torch.testing.assert_close(trainer.model(input_ids=ids).logits, want_base, rtol=1e-5, atol=1e-5)
+            trainer.model.merge_adapter()
+            torch.testing.assert_close(trainer.model(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+            trainer.model.unmerge_adapter()
+            torch.testing.assert_close(trainer.model(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+        runs[name] = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+        del trainer
+    assert any(v.abs().sum() > 0 for v in runs["on"].values())
+    for k, v in runs["off"].items():
+        torch.testing.assert_close(runs["on"][k], v, rtol=1e-3, atol=1e-4)
