@@ -12,9 +12,11 @@ The first load is kept as the pristine source (never handed out, so no user's Lo
 twin); each twin holds it, and the registry holds it only weakly, so the weights are freed with the last twin.
 
 A user that gives a frozen weight a home of its own (``fold_lora_b`` moves it into a wider buffer whose first columns
-are the weight) calls ``moved(old, new)``: the source then reads the new tensor, so twins made later share it and the
-old storage is freed with the last twin made before (without it, a process with a trainer alone would hold those
-weights twice: the source keeps the old storage alive for twins that may never come).
+are the weight) calls ``moved(old, new)``: where no other live twin reads ``old``, the source then reads the new
+tensor, so the old storage is freed and twins made later share the new one (without it, a process with a trainer
+alone would hold those weights twice: the source keeps the old storage alive for twins that may never come). Where
+another twin reads ``old`` (an engine started first), the source keeps it: it stays alive anyway, and the new tensor
+is then freed with its user.
 """
 
 from __future__ import annotations
@@ -57,16 +59,21 @@ def shared_model(key: tuple, load):
 
 def moved(old, new) -> None:
     """Point every source parameter that is ``old`` (same storage, offset, shape and device) at ``new`` (a tensor
-    with ``old``'s values, e.g. a view into a wider buffer); parameters tied to one stay tied to one."""
+    with ``old``'s values, e.g. a view into a wider buffer), unless a live twin still reads ``old``; parameters tied
+    to one stay tied to one."""
     import torch
+
+    def same(p) -> bool:
+        return p is not None and p.device == old.device and p.data_ptr() == old.data_ptr() and p.shape == old.shape
 
     with _LOCK:
         for source in list(_SOURCES.values()):
+            if any(src is source and any(same(p) for p in model.parameters()) for model, src in _HELD_BY.items()):
+                continue
             replaced: dict[int, torch.nn.Parameter] = {}
             for module in source.modules():
                 for name, p in module._parameters.items():
-                    if p is None or p.device != old.device or p.data_ptr() != old.data_ptr() or p.shape != old.shape:
-                        continue
-                    if id(p) not in replaced:
-                        replaced[id(p)] = torch.nn.Parameter(new.detach(), requires_grad=p.requires_grad)
-                    module._parameters[name] = replaced[id(p)]
+                    if same(p):
+                        if id(p) not in replaced:
+                            replaced[id(p)] = torch.nn.Parameter(new.detach(), requires_grad=p.requires_grad)
+                        module._parameters[name] = replaced[id(p)]

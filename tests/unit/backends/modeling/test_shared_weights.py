@@ -108,3 +108,24 @@ def test_a_trainer_that_folds_keeps_one_copy_of_the_folded_weights_and_a_later_e
         assert _greedy(engine, [5, 6, 7, 8])[0] == tokens
     finally:
         engine.shutdown()
+
+
+def test_an_engine_started_before_a_folding_trainer_keeps_the_one_copy_after_the_trainer_goes(tiny_model_path):
+    """LocalBackend's order: the engine holds the weights first, so the folded ones exist twice while the trainer
+    lives (its buffers, the engine's originals); once the trainer is gone, only the engine's copy is left."""
+    dtype = torch.float16  # a key of its own
+    engine = Engine.from_pretrained("tiny-random", dtype=dtype, config=EngineConfig(max_batch_size=2, max_loras=1))
+    try:
+        source = _SOURCES[(str(resolve_model("tiny-random").path.resolve()), "cpu", str(dtype))]
+        alone = _storage_bytes(source, engine.model)
+        trainer = GRPOTrainer("tiny-random", TrainerConfig(lora_rank=4, lora_alpha=8, fused_lora="on",
+                                                           memory_efficient_ops="on", fold_lora_b="on"),
+                              model=load_model("tiny-random", dtype=dtype, shared=True)[0],
+                              tokenizer=engine.tokenizer)
+        assert trainer.folded_lora_layers > 0
+        assert _storage_bytes(source, engine.model) == alone  # the engine and the source: the old storage
+        del trainer
+        gc.collect()
+        assert _storage_bytes(source, engine.model) == alone
+    finally:
+        engine.shutdown()
