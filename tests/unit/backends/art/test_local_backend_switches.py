@@ -1,0 +1,50 @@
+"""LocalBackend (the engine and the trainer in one process, one copy of the base weights) with the trainer's day-one
+switches on: fold_lora_b moves weights into its own buffers, fp8_base quantizes copies, fused_rope patches the
+trainer's attention forwards. The engine must still serve the base model and then the trained adapter: the publish
+probe (the trainer's logprobs against the served ones) passes at each step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agents import TrainableModel, Trajectory, TrajectoryGroup, gather_trajectory_groups
+from backends.art.local_backend import LocalBackend
+
+SWITCHES = {"fold": {"fold_lora_b": "on"}, "fp8": {"fp8_base": "on"}}
+
+
+async def _rollout(model, scenario: str) -> Trajectory:
+    messages = [{"role": "user", "content": scenario}]
+    resp = await model.openai_client().chat.completions.create(model=model.name, messages=messages, max_tokens=4)
+    return Trajectory(messages_and_choices=[*messages, resp.choices[0]],
+                      reward=float(len(resp.choices[0].message.content or "") % 3))
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_local_backend_trains_and_serves_with_the_switches_on(tmp_path, tiny_model_path, switch):
+    trainer = {"fused_lora": "on", "memory_efficient_ops": "on", "fused_rope": "on", **SWITCHES[switch]}
+
+    async def main():
+        backend = LocalBackend(storage=str(tmp_path), device="cpu")
+        try:
+            model = TrainableModel(name="agent-sw", project="switches", base_model="tiny-random", trainer=trainer)
+            await model.register(backend)
+            trainer_built = backend._runs["switches/agent-sw"].trainer
+            results = []
+            for _ in range(2):
+                groups = await gather_trajectory_groups(
+                    (TrajectoryGroup(_rollout(model, s) for _ in range(3)) for s in ("2+2?", "a colour?")),
+                    pbar_desc=None)
+                results.append(await backend.train(model, groups, learning_rate=1e-2))
+            built = (trainer_built.folded_lora_layers, trainer_built.fp8_lora_layers, trainer_built.fused_rope_layers)
+            return results, await model.get_step(), built
+        finally:
+            backend.close()
+
+    results, step, (folded, fp8, rope) = asyncio.run(main())
+    assert rope > 0 and (folded if switch == "fold" else fp8) > 0  # the switches took effect in LocalBackend
+    assert step == 2
+    for result in results:
+        assert result.metrics["publish/probe_max_abs_diff"] <= result.metrics["publish/probe_tolerance"]
