@@ -274,3 +274,24 @@ async def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(ti
     assert len(engine._free) == engine.max_batch
     again = await _client(tiny_server).chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=4)
     assert again.choices[0].finish_reason == "length"
+
+
+async def test_merged_single_adapter_streams_the_tokens_it_answers(tiny_model_path, adapter_root, random_adapter):
+    """Decode steps on merged weights (`merged_single_adapter`) hand their tokens to streams as the LoRA steps do:
+    with overlapped decode, n = 2 and logprobs, the deltas add up to the plain answer of the same engine."""
+    from backends.serving.app import start_server
+
+    handle = start_server("tiny-random", api_key=API_KEY, adapter_roots=[adapter_root],
+                          config=EngineConfig(merged_single_adapter=True, overlap_decode=True))
+    try:
+        handle.engine.load_adapter("merged-stream@1", str(random_adapter[0]))
+        client = _client(handle)
+        kw = dict(max_tokens=24, seed=17, n=2, logprobs=True, top_logprobs=1)
+        plain = await client.chat.completions.create(model="merged-stream@1", messages=MESSAGES, **kw)
+        stream = await client.chat.completions.create(model="merged-stream@1", messages=MESSAGES, stream=True,
+                                                      stream_options={"include_usage": True}, **kw)
+        _assert_chat_matches(plain, [c async for c in stream], logprobs=True)
+        assert handle.engine.stats["merged_steps"] > 0
+        await client.close()
+    finally:
+        handle.stop()
