@@ -231,8 +231,9 @@ class TrainerConfig(BaseModel):
         "instead of `x W^T` plus a rank-r `addmm_` that reads and writes all of y, and in backward get `g W` and "
         "`g (sB)_c` from one product (`backends/training/kernels/fold_lora_b.py`). Pays where the output is wider "
         "than the input: it writes `[x | z]` (a copy of x) to save a pass over y; each folded module's frozen weight "
-        "moves once into an `[out, in + r]` buffer whose first columns are the weight (a base model shared with an "
-        "engine of the process gets its own copy of those weights). Same function up to rounding. 'auto': on CUDA, "
+        "moves once into an `[out, in + r]` buffer whose first columns are the weight (one copy: an engine started "
+        "later reads it there; an engine started before keeps its own while the trainer lives). Same function up to "
+        "rounding. 'auto': on CUDA, "
         "only modules where the y pass saved exceeds the copy paid (out > in + r: the MLP's gate and up at the 1.5B "
         "shape); 'on': every fusable module, CPU included; 'off': none. Off for every module while `fp8_base` is on "
         "(an fp8 base product and a folded bf16 one cannot share a GEMM).",
