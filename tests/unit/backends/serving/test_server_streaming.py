@@ -272,8 +272,9 @@ async def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(ti
     monkeypatch.setattr(engine, "_decode", decode)
     await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}, 30, "the engine to drop them")
     assert len(engine._free) == engine.max_batch
-    again = await _client(tiny_server).chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=4)
-    assert again.choices[0].finish_reason == "length"
+    again = await _client(tiny_server).chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=4,
+                                                               seed=3, extra_body={"ignore_eos": True})
+    assert again.choices[0].finish_reason == "length" and len(again.choices[0].token_ids) == 4
 
 
 async def test_merged_single_adapter_streams_the_tokens_it_answers(tiny_model_path, adapter_root, random_adapter):
