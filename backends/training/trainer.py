@@ -375,7 +375,11 @@ class GRPOTrainer:
     def _micro_batches(self, rows: Sequence[TrainingRow], budget: int | None = None) -> list[MicroBatch]:
         self._check_vocabulary(rows)
         bins = plan_bins([len(r) for r in rows], budget or self.micro_batch_tokens, pack=self.packed)
-        return [make_micro_batch([rows[i] for i in b], self.device) for b in bins]
+        return [self._pack(rows, b) for b in bins]
+
+    def _pack(self, rows: Sequence[TrainingRow], bin_: Sequence[int]) -> MicroBatch:
+        """The micro-batch of ``rows[i]`` for i in one bin of ``plan_bins``, on the trainer's device."""
+        return make_micro_batch([rows[i] for i in bin_], self.device)
 
     def _shape_advantages(self, batches: list[MicroBatch]) -> float:
         """KL-shaped advantages: policy vs reference (adapter off) on every trained token; returns mean(k)."""
@@ -453,7 +457,7 @@ class GRPOTrainer:
         batches: list[MicroBatch] = []
         with self.lora_casts_scope():
             if cfg.kl_coef > 0:  # the reference passes run over every micro-batch first: all packed now
-                batches = [make_micro_batch([rows_here[i] for i in b], self.device) for b in bins]
+                batches = [self._pack(rows_here, b) for b in bins]
                 metrics["kl_policy_ref"] = self._shape_advantages(batches)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
@@ -462,7 +466,7 @@ class GRPOTrainer:
                 for k, b in enumerate(bins):
                     with phase(MICRO_BATCH):
                         if k == len(batches):  # packed while the GPU still runs the previous micro-batch's backward
-                            batches.append(make_micro_batch([rows_here[i] for i in b], self.device))
+                            batches.append(self._pack(rows_here, b))
                         done.append(self._micro_batch_step(batches[k], eps, eps_high))
         with phase(UPDATE):
             # one process: the gradient norm (and its clipping) is queued behind the last backward and read with the
