@@ -249,9 +249,9 @@ class TrainerConfig(BaseModel):
         "The LoRA terms and their gradients stay bf16; only the training forward/backward uses fp8: the KL reference "
         "and policy passes, the publish probe and any evaluation use the bf16 weights. `fold_lora_b` is off while this "
         "is on. 'on': needs `torch._scaled_mm` on the device (CUDA compute capability 8.9+ with dtype bfloat16, or "
-        "the CPU) and `fused_lora`, else an error at set-up. 'auto': off for now; it turns on by default (on CUDA) "
-        "only once its speed and logprob gap are measured on the H200 (`benchmarks/training_fresh_process.py`, "
-        "run `fp8+warm-up`).",
+        "the CPU) and `fused_lora`, else an error at set-up. 'auto': off. Measured on the H200 at the 1.5B shape "
+        "(`benchmarks/results/training-h200.md`, run `fp8+warm-up`): 35.8k against the defaults' 43.8k tokens/s, "
+        "33.0 GiB, trained tokens' logprobs 0.23 from bf16 on average: slower and inexact there.",
     )
     compile_logprobs: Switch = Field(
         default="auto",
