@@ -108,6 +108,8 @@ class StandInRunner:
     """`DecoderRunner.prefill` without a model: waits its modelled time on `device`, returns flat logits (sampling
     then spreads the first token over `first_token_width` ids)."""
 
+    merged = None  # no merged-adapter weights (`EngineConfig.merged_single_adapter`): the LoRA step's timing
+
     def __init__(self, timing: StandInTiming, counters: StandInCounters, first_token_width: int,
                  device: StandInDevice):
         self.timing, self.counters, self.width, self.device = timing, counters, first_token_width, device

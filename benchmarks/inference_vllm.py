@@ -145,14 +145,15 @@ class EmbeddedServer:
     serving-overhead benchmark's stand-in wrapper takes the same `serve` arguments after its own)."""
 
     def __init__(self, folder: Path, device: str, max_batch: int, max_seq_len: int, log: Path,
-                 launcher: tuple[str, ...] = ("-m", "flows.cli")):
+                 launcher: tuple[str, ...] = ("-m", "flows.cli"), engine: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, *launcher, "serve", "--model", str(folder), "--device", device,
                "--port", str(self.port), "--served-name", SERVED, "--max-batch-size", str(max_batch),
                "--max-seq-len", str(max_seq_len), "--max-loras", "4",
-               "--adapter-root", str(folder.parent)]  # the run's folder holds the model and the adapter
+               "--adapter-root", str(folder.parent),  # the run's folder holds the model and the adapter
+               *[arg for k, v in (engine or {}).items() for arg in ("--engine", f"{k}={v}")]]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.command = " ".join(cmd)
         with open(log, "ab") as out:
@@ -328,16 +329,30 @@ async def measure(system: str, base_url: str, loads: list[Load], vocab: int, see
         print(json.dumps(row), flush=True)
 
 
+def parse_settings(text: str) -> dict[str, str]:
+    """'compile_decode=on,admission_wait_steps=0' -> {'compile_decode': 'on', ...} ('' -> the defaults)."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    bad = [k for k, sep, _ in pairs if not sep or not k.strip()]
+    if bad:
+        raise ValueError(f"--embedded-config {text!r}: expected FIELD=VALUE,...")
+    return {k.strip(): v.strip() for k, _, v in pairs}
+
+
+def label(settings: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+
+
 # -- the embedded engine's decode step -------------------------------------------------------------------------------
 def embedded_decode_step(folder: Path, adapter: Path, device: str, load: Load, max_batch: int, max_seq_len: int,
-                         vocab: int, repeats: int) -> dict:
+                         vocab: int, repeats: int, engine_settings: dict[str, str] | None = None) -> dict:
     """Per-step wall time at batch 1 from the engine's counters, and the graph replay time alone on CUDA."""
     import torch
 
     from backends.inference.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine.from_pretrained(str(folder), device=device, served_name=SERVED,
-                                    config=EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len))
+    chosen = {k: v for k, v in (engine_settings or {}).items() if v.lower() not in ("auto", "none", "")}
+    config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, **chosen)
+    engine = Engine.from_pretrained(str(folder), device=device, served_name=SERVED, config=config)
     try:
         engine.load_adapter(ADAPTER, str(adapter))
         params = [SamplingParams(max_tokens=load.new_tokens, seed=i, ignore_eos=True) for i in range(repeats + 2)]
@@ -430,6 +445,9 @@ def main(argv=None) -> int:
                                                     "--smoke)")
     ap.add_argument("--embedded-max-batch", type=int, default=256, help="the embedded engine's max_batch_size "
                                                                         "(its default is 64; 256 covers c=256)")
+    ap.add_argument("--embedded-config", action="append", default=None, metavar="FIELD=VALUE,...",
+                    help="engine settings of one embedded run (`trajflow serve --engine`; '' for the defaults); "
+                         "repeatable: each runs the loads and the decode step, the first is the summary's")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context of both servers (2048; 256 with --smoke)")
     ap.add_argument("--vllm-memory", type=float, default=0.8, help="vLLM --gpu-memory-utilization")
     ap.add_argument("--vllm-unseeded", action="store_true", help="also run vLLM at c64 and grpo without seeds")
@@ -450,6 +468,10 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     loads = smoke_loads() if args.smoke else device_loads()
+    try:
+        embedded_configs = [parse_settings(text) for text in (args.embedded_config or [""])]
+    except ValueError as e:
+        ap.error(str(e))
     args.max_seq_len = args.max_seq_len or (256 if args.smoke else 2048)
     work = Path(tempfile.mkdtemp(prefix="inference-vllm-"))
 
@@ -462,7 +484,8 @@ def main(argv=None) -> int:
         "config": {**model_facts, "device": device, "dtype": "bfloat16" if device.startswith("cuda") else
                    "float32 (CPU)", "loads": [asdict(x) for x in loads], "temperature": 1.0, "logprobs": 0,
                    "seeded": True, "prompt": "exact token ids, /v1/completions", "max_seq_len": args.max_seq_len,
-                   "embedded": {"max_batch_size": args.embedded_max_batch, "max_loras": 4},
+                   "embedded": {"max_batch_size": args.embedded_max_batch, "max_loras": 4,
+                                "engine_settings": embedded_configs},
                    "vllm": {"gpu_memory_utilization": args.vllm_memory, "max_lora_rank": 16, "max_loras": 4}},
         "summary": {}, "results": rows, "errors": {}, "timings_s": {},
         "notes": ["Both servers stream token by token (the embedded one per engine step).",
@@ -488,30 +511,41 @@ def main(argv=None) -> int:
         report["timings_s"][name] = round(time.monotonic() - t0, 1)
         write()
 
-    if "embedded" in systems:
+    for i, settings in enumerate(embedded_configs if "embedded" in systems else []):
+        if i and args.budget_s - (time.monotonic() - t_start) < 120:
+            report["errors"][f"embedded ({label(settings)})"] = "skipped: out of --budget-s"
+            continue
+        # the first configuration is the one the summary quotes; the others are rows named by their settings
+        name = "embedded" if i == 0 else f"embedded ({label(settings)})"
+        suffix = "" if i == 0 else f"_{i}"
         t0 = time.monotonic()
-        server = EmbeddedServer(folder, device, args.embedded_max_batch, args.max_seq_len, logs / "embedded.log")
-        report["config"]["embedded"]["command"] = server.command
+        server = EmbeddedServer(folder, device, args.embedded_max_batch, args.max_seq_len,
+                                logs / f"embedded{suffix}.log", engine=settings)
+        report["config"]["embedded"]["command" + suffix] = server.command
         try:
             server.wait_healthy(600)
             from backends.serving.inference_client import InferenceClient
 
             asyncio.run(InferenceClient(server.url).load_adapter(ADAPTER, str(adapter)))
-            report["timings_s"]["embedded_start"] = round(time.monotonic() - t0, 1)
-            asyncio.run(measure("embedded", server.url, loads, vocab, True, rows.append))
+            report["timings_s"][f"embedded_start{suffix}"] = round(time.monotonic() - t0, 1)
+            asyncio.run(measure(name, server.url, loads, vocab, True, rows.append))
         except Exception as e:  # noqa: BLE001
-            report["errors"]["embedded"] = f"{type(e).__name__}: {e}\n{log_tail(server.log)}"
+            report["errors"][name] = f"{type(e).__name__}: {e}\n{log_tail(server.log)}"
         finally:
             server.stop()
-        phase("embedded", t0)
+        phase(f"embedded{suffix}", t0)
         t0 = time.monotonic()
         try:
-            decode = embedded_decode_step(folder, adapter, device, loads[0], args.embedded_max_batch,
-                                          args.max_seq_len, vocab, repeats=2 if args.smoke else 5)
-            report["embedded_decode_step"] = decode
+            step = embedded_decode_step(folder, adapter, device, loads[0], args.embedded_max_batch,
+                                        args.max_seq_len, vocab, repeats=2 if args.smoke else 5,
+                                        engine_settings=settings)
+            if i == 0:
+                decode = report["embedded_decode_step"] = step
+            else:
+                report.setdefault("embedded_variants_decode_step", {})[label(settings)] = step
         except Exception as e:  # noqa: BLE001
-            report["errors"]["embedded_decode_step"] = f"{type(e).__name__}: {e}"
-        phase("embedded_decode_step", t0)
+            report["errors"][f"{name} decode step"] = f"{type(e).__name__}: {e}"
+        phase(f"embedded_decode_step{suffix}", t0)
 
     if "vllm" in systems:
         t0 = time.monotonic()

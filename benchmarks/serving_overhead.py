@@ -51,6 +51,7 @@ from benchmarks.engine_standin import StandInTiming, install
 from benchmarks.inference import hardware, random_lora, versions
 from benchmarks.inference_vllm import (
     ADAPTER,
+    parse_settings,
     SERVED,
     EmbeddedServer,
     Load,
@@ -87,7 +88,8 @@ def build_folder(root: Path, tokenizer: str) -> tuple[Path, Path, dict]:
 
 
 def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: float | None = None,
-                 http: str | None = None, overlap_decode: str | None = None) -> EmbeddedServer:
+                 http: str | None = None, overlap_decode: str | None = None,
+                 engine: dict[str, str] | None = None) -> EmbeddedServer:
     """`benchmarks/standin_server.py` (i.e. `trajflow serve` over the stand-in) in a subprocess."""
     extra = [x for k, v in asdict(timing).items() for x in ("--" + k.replace("_", "-"), str(v))]
     if overlap_decode is not None:
@@ -97,7 +99,7 @@ def start_server(folder: Path, timing: StandInTiming, log: Path, keep_alive_s: f
     if http is not None:
         extra += ["--http", http]
     return EmbeddedServer(folder, "cpu", MAX_BATCH, MAX_SEQ_LEN, log,
-                          launcher=("-m", "benchmarks.standin_server", *extra, "--"))
+                          launcher=("-m", "benchmarks.standin_server", *extra, "--"), engine=engine)
 
 
 def client_cpu() -> float:
@@ -323,6 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-decode", choices=("on", "off"), default=None, help="the engine's overlap_decode, "
                                                                                    "server and in-process (default: "
                                                                                    "the engine's: off on the CPU)")
+    ap.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                    help="another engine setting, server and in-process (`trajflow serve --engine`; repeatable)")
     ap.add_argument("--baseline", type=Path, default=None, help="a run of this script on other code (e.g. main): its "
                                                                  "table and summary are shown beside this run's")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: profile the server during each timed pass")
@@ -375,8 +379,11 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(markdown(report))
 
-    server = start_server(folder, timing, work / "server.log", args.keep_alive_s, args.http, args.overlap_decode)
+    settings = parse_settings(",".join(args.engine))
+    server = start_server(folder, timing, work / "server.log", args.keep_alive_s, args.http, args.overlap_decode,
+                          settings)
     report["config"]["keep_alive_s"], report["config"]["http"] = args.keep_alive_s, args.http
+    report["config"]["engine_settings"] = settings
     report["config"]["overlap_decode"] = args.overlap_decode
     report["config"]["server_command"] = server.command
     try:
@@ -419,7 +426,7 @@ def main(argv=None) -> int:
         engine = Engine.from_pretrained(str(folder), served_name=SERVED,
                                         config=EngineConfig(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,
                                                             overlap_decode=None if args.overlap_decode is None
-                                                            else args.overlap_decode == "on"))
+                                                            else args.overlap_decode == "on", **settings))
         install(engine, timing)
         try:
             engine.load_adapter(ADAPTER, str(adapter))

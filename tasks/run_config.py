@@ -27,6 +27,10 @@ from tasks.config_errors import ConfigError, describe
 log = logging.getLogger("trajflow")
 
 
+# engine settings that are fields of InferenceConfig itself (the vLLM launcher reads max_loras too)
+OWN_ENGINE_FIELDS = {"max_loras", "overlap_decode"}
+
+
 class InferenceConfig(BaseModel):
     """Where rollouts are served from."""
 
@@ -64,6 +68,11 @@ class InferenceConfig(BaseModel):
         description="embedded server: launch each decode step before the host accepts the previous one's tokens "
         "(the engine's `overlap_decode`). auto: on where decode steps are CUDA graphs, off on the CPU; `off` is the "
         "serial loop, the way back should the overlapped one misbehave on a device")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="embedded server: further engine settings by name (`EngineConfig` in "
+        "backends/inference/engine_config.py; `trajflow serve --engine`), e.g. `{compile_decode: true, "
+        "admission_wait_steps: 8}`; checked when the config is read. max_loras and overlap_decode are the fields above")
     gpu_memory_utilization: float = Field(default=0.6, description="vLLM: share of GPU memory it may take")
     max_model_len: int = Field(default=4096, description="vLLM: context length; bounds KV cache size")
     tool_call_parser: str = Field(default="hermes", description="vLLM: tool-call parser matching the chat template")
@@ -98,6 +107,21 @@ class InferenceConfig(BaseModel):
                              + ("already runs as a process of its own" if self.backend == "vllm"
                                 else "attaches to a server started elsewhere"))
         return self
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from backends.inference.engine_config import EngineConfig
+
+        own = OWN_ENGINE_FIELDS & set(value)
+        if own:
+            raise ValueError(f"{', '.join(sorted(own))}: set inference.{sorted(own)[0]} instead of inside engine")
+        unknown = sorted(set(value) - set(EngineConfig.model_fields))
+        if unknown:
+            raise ValueError(f"no engine setting {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join(sorted(set(EngineConfig.model_fields) - OWN_ENGINE_FIELDS))}")
+        EngineConfig(**value)  # a bad value fails here, named by pydantic, not when the server starts
+        return value
 
     @field_validator("vllm_command")
     @classmethod

@@ -12,10 +12,11 @@ of each batch. This engine, on the same shape serving an unmerged LoRA r16
 without the adapter), against 13 tok/s for one ``generate`` per request in the same run; on this 2-core CPU with
 SmolLM2-135M, 67 tok/s at 64 against 15. How:
 
-- **Continuous batching.** Every running sequence owns a KV slot (`kv_cache`). Each loop iteration admits
-  waiting requests into free slots (one padded prefill for all of them, bounded by a token budget), then runs one
-  decode step over all running sequences; a sequence that finishes frees its slot at once, so nobody waits for the
-  slowest sequence, and new requests join at the next iteration.
+- **Continuous batching.** Every running sequence owns a KV slot (`kv_cache`). A loop iteration admits waiting
+  requests into free slots (one padded prefill for all of them, bounded by a token budget), then runs one decode
+  step over all running sequences; a sequence that finishes frees its slot at once, so nobody waits for the slowest
+  sequence. While others decode, newcomers wait up to ``admission_wait_steps`` steps so that requests arriving a few
+  at a time share one prefill (`_admission_due`).
 - **Forward** (`decoder`): Llama/Qwen2/Qwen3/Mistral maths over the HF model's own weights; per-row LoRA from
   up to ``max_loras`` resident adapters in one batch (`lora_slots`); a decode step whose rows all use one adapter
   reads that slot alone, without row masks (``single_slot_lora``), or runs on a copy of the weights with that
@@ -54,11 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from backends.inference.adapters import AdapterEntry, AdapterRegistry, UnknownModel
 from backends.inference.cuda_graphs import DecodeStep, Launched
 from backends.inference.decoder import DecoderRunner, describe
+from backends.inference.engine_config import EngineConfig
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.loop_handoff import LoopHandoff
 from backends.inference.lora_slots import LoraSlots
@@ -73,70 +74,6 @@ MAX_TOP_LOGPROBS = 20
 # raises it): with the stand-in of benchmarks/serving_overhead.py at c=64, 0.5 ms gave 10.6-11.9k tok/s over HTTP
 # against 7.7-9.8k at 5 ms, and the engine's host time per step fell from 1.0-1.6 ms to 0.7-0.8 ms.
 SWITCH_INTERVAL_S = 0.0005
-
-
-class EngineConfig(BaseModel):
-    """Sizes and switches of the embedded engine (defaults depend on the device where marked)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_batch_size: int = Field(64, ge=1, le=4096, description=(
-        "Sequences decoded together (KV-cache slots). Higher raises throughput under load; costs KV memory "
-        "(allocated up front on CUDA, as used on the CPU) and a little per-step latency."))
-    max_seq_len: int | None = Field(None, ge=16, description=(
-        "Longest prompt + completion, in tokens. Default: the model's context, capped at 4096 on the CPU and 8192 "
-        "on CUDA. Longer costs KV memory on CUDA."))
-    max_loras: int = Field(4, ge=1, le=64, description=(
-        "Adapters resident on the device, i.e. how many one batch can mix (vLLM's --max-loras). More slots cost "
-        "a little compute for every LoRA row; a request whose adapter finds no free slot waits."))
-    max_cpu_loras: int = Field(16, ge=1, description=(
-        "Registered adapters whose weights stay in host memory; others are re-read from their local copy."))
-    max_lora_rank: int = Field(64, ge=1, le=512, description="Largest LoRA rank accepted (vLLM's --max-lora-rank).")
-    prefill_token_budget: int | None = Field(None, ge=1, description=(
-        "Padded prompt tokens prefilled together in one iteration (default 4096 CPU / 16384 CUDA). Larger admits "
-        "bursts faster; smaller keeps running sequences' step latency even."))
-    cuda_graphs: bool | None = Field(None, description=(
-        "Replay decode steps from CUDA graphs (default: on for CUDA). Removes per-kernel launch overhead; costs a "
-        "capture (~0.1-1 s) per new (batch, length) bucket."))
-    fuse_projections: bool | None = Field(None, description=(
-        "Run q/k/v and gate/up as one matmul each (default: on for CUDA). Fewer kernels; copies those weights."))
-    fuse_lora_a: bool | None = Field(None, description=(
-        "Compute LoRA's A in the base matmul of each projection group (its columns appended to the weight; implies "
-        "fuse_projections). One kernel fewer per group and layer in every LoRA step; copies the o/down weights "
-        "too. Default: on for CUDA (H200, 0.5B, rank 16: decode step 2.51 -> 2.08 ms at batch 1, same logprobs; benchmarks/results/engine-decode-h200.md)."))
-    compile_decode: bool | None = Field(None, description=(
-        "torch.compile (Inductor) a decode step's per-layer pointwise work, inside the CUDA graph: fewer kernels "
-        "per step. Compiles at engine start (seconds to a minute; cached on disk for the next start); runs eagerly "
-        "if compiling fails. Default: off (H200, 0.5B: 2.08 -> 1.90 ms at batch 1 with fuse_lora_a, but 5.7 s of "
-        "compiles at start and logprobs that differ from the eager step by up to 0.105 in bf16, which the publish "
-        "probe's tolerance would have to absorb)."))
-    overlap_decode: bool | None = Field(None, description=(
-        "Launch decode step t+1 before the host bookkeeping of step t (its tokens go from step t's output to step "
-        "t+1's input on the device), so the device computes while the host accepts; a sequence that stops at step t "
-        "computes one discarded row in step t+1. Same completions as without. Admitting new requests waits for the "
-        "step in flight. Default: on where decode steps are CUDA graphs on CUDA, off on the CPU (there the device is "
-        "the same cores: nothing to overlap)."))
-    single_slot_lora: bool = Field(True, description=(
-        "A decode step whose rows all use one adapter (a GRPO step: every row on the current policy) reads only that "
-        "LoRA slot's columns: no per-row masks and no select (masked_fill_) per projection group, so 4 kernels fewer "
-        "per layer plus the step's 4 mask kernels (~100 of ~664 per step on the 24-layer 0.5B shape); costs one more "
-        "CUDA graph per (batch, length) bucket and slot in use. Mixed steps (several adapters, or base rows) keep "
-        "the masked path. Same logprobs up to float rounding (the LoRA GEMMs sum over one slot's columns instead of "
-        "all of them). H200, 0.5B, rank 16: 662 -> 562 kernels, 2.07 -> 1.91 ms at batch 1, 4.42 -> 4.04 ms at batch "
-        "256, same logprobs (benchmarks/results/engine-decode-single-slot-h200.md)."))
-    merged_single_adapter: bool = Field(False, description=(
-        "A decode step whose rows all use one adapter runs the base model's no-LoRA forward on a copy of the "
-        "projection weights with that adapter merged in, W' = dtype(W + B A * scale) (`merged_weights`): no LoRA "
-        "kernels at all, so it should cost what the no-LoRA step does (H200, 0.5B, batch 1: 1.61 ms, 1.34 ms with "
-        "compile_decode, against 1.91 ms for the one-slot LoRA step; not yet measured merged). The copy is rebuilt "
-        "in place when a step needs another slot or a new adapter in its slot (once per policy update in GRPO; "
-        "stats merge_rebuilds, merge_seconds); one more CUDA graph per bucket, whatever the slot. Costs the memory "
-        "of the LoRA'd projections once more (all seven of every layer: 0.72 GB in bf16 for the 0.5B shape), and "
-        "one rounding more: W' is rounded to the serving dtype where the LoRA path rounds x W and x A (float32: "
-        "logprobs within 1e-6 on tiny-random; bf16: within 0.016). Mixed steps, base rows and prefill keep the LoRA "
-        "paths. Off until measured on the H200 (benchmarks/engine_decode.py, variants merged, merged_compile)."))
-    adapter_cache_dir: str | None = Field(None, description=(
-        "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))
 
 
 @dataclass
@@ -201,6 +138,7 @@ class _Request:
     remaining: int = 0
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    arrived_step: int = 0  # the engine's decode-step count when it was taken from the inbox (`_admission_due`)
 
 
 @dataclass
@@ -250,6 +188,7 @@ class Engine:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's context {info['context']}")
         self.max_batch = config.max_batch_size
         self.prefill_budget = config.prefill_token_budget or (16384 if cuda else 4096)
+        self.admission_wait = (4 if cuda else 0) if config.admission_wait_steps is None else config.admission_wait_steps
         self.name, self.vocab = name, info["vocab"]
         self.tokenizer = tokenizer
         self._tok = copy.deepcopy(tokenizer)  # the engine thread's own copy: HF fast tokenizers are not re-entrant
@@ -467,15 +406,16 @@ class Engine:
                     self._handoff.wake()
                     return
                 admitted: list[_Request] = []
+                controls = self._take_requests(items)
                 try:
-                    if self._inflight is not None and (items or self._admissible()):
+                    if self._inflight is not None and (controls or self._admission_due()):
                         self._drain()  # aborts, forgotten adapters and admission see no step in flight
                 except Exception as e:  # noqa: BLE001 - as below
                     log.exception("engine step failed")
                     self._fail_running(e)
-                self._take(items)
+                self._take(controls)
                 try:
-                    admitted = self._admit() if self._inflight is None else []
+                    admitted = self._admit() if self._inflight is None and self._admission_due() else []
                     if admitted:
                         self._prefill(admitted)
                     if self._running:
@@ -488,12 +428,21 @@ class Engine:
                     with self._cv:  # waiting requests that cannot be admitted yet: do not spin
                         self._cv.wait(0.01)
 
-    def _take(self, items: list) -> None:
+    def _take_requests(self, items: list) -> list:
+        """Queue the new requests of `items` (safe with a step in flight); return the rest (aborts, forgets)."""
+        controls = []
         for item in items:
             if isinstance(item, _Request):
                 self.stats["requests"] += 1
+                item.arrived_step = self._steps
                 self._waiting.append(item)
-            elif item[0] == "abort":
+            else:
+                controls.append(item)
+        return controls
+
+    def _take(self, controls: list) -> None:
+        for item in controls:
+            if item[0] == "abort":
                 self._abort(item[1])
             elif item[0] == "forget":
                 self.lora.forget(item[1])
@@ -510,6 +459,18 @@ class Engine:
     def _admissible(self) -> bool:
         """A waiting request may fit now (enough free KV slots; its adapter's slot is only known by trying)."""
         return bool(self._waiting) and len(self._free) >= self._waiting[0].n
+
+    def _admission_due(self) -> bool:
+        """Admit now: a waiting request may fit, and nothing is decoding, or the oldest waiting request has waited
+        ``admission_wait_steps`` decode steps, or the waiting ones would fill the free slots or the prefill budget
+        (waiting longer could not make the prefill bigger)."""
+        if not self._admissible():
+            return False
+        if not self._running or self._steps - self._waiting[0].arrived_step >= self.admission_wait:
+            return True
+        rows = sum(r.n for r in self._waiting)
+        tokens = len(self._waiting) * max(len(r.prompt) for r in self._waiting)
+        return rows >= len(self._free) or tokens >= self.prefill_budget
 
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []

@@ -31,6 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + completion in tokens")
     p.add_argument("--overlap-decode", choices=OVERLAP_CHOICES, default="auto",
                    help="launch each decode step before accepting the previous one (auto: on with CUDA graphs)")
+    p.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other engine setting (repeatable), e.g. --engine compile_decode=on --engine "
+                        "admission_wait_steps=8; 'auto' leaves a setting to its device default. The fields and what "
+                        "they do: EngineConfig in backends/inference/engine.py")
     p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
                    help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
@@ -102,15 +106,30 @@ def _check_device(device: str) -> None:
 def _engine_config(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from backends.inference.engine import EngineConfig
+    from backends.inference.engine_config import EngineConfig
 
     updates = {"max_loras": args.max_loras, "max_batch_size": args.max_batch_size, "max_seq_len": args.max_seq_len,
                "overlap_decode": OVERLAP_CHOICES[args.overlap_decode]}
+    flags = {name: f"--{name.replace('_', '-')} {value}" for name, value in updates.items() if value is not None}
+    for item in args.engine:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            raise UsageError(f"--engine {item!r}: expected FIELD=VALUE, e.g. --engine compile_decode=on")
+        if name not in EngineConfig.model_fields:
+            raise UsageError(f"--engine {item!r}: no engine setting {name!r}; "
+                             f"known: {', '.join(sorted(EngineConfig.model_fields))}")
+        if name in flags:
+            has_own = not flags[name].startswith("--engine")
+            raise UsageError(f"--engine {item!r}: " + (f"{name} has its own flag, --{name.replace('_', '-')}"
+                                                      if has_own else f"{name} is set twice ({flags[name]})"))
+        updates[name] = None if value.strip().lower() in ("auto", "none", "") else value.strip()
+        flags[name] = f"--engine {item}"
     try:
         return EngineConfig(**{k: v for k, v in updates.items() if v is not None})
     except ValidationError as e:
-        raise UsageError("; ".join(f"--{str(err['loc'][0]).replace('_', '-')} {updates.get(err['loc'][0])}: "
-                                   f"{err['msg'].lower()}" for err in e.errors())) from None
+        raise UsageError("; ".join(f"{flags.get(str(err['loc'][0]), err['loc'][0])}: {err['msg'].lower()}"
+                                   for err in e.errors())) from None
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ rollouts with training (the async pipeline) mostly takes turns on it. As a child
 interpreter of its own; the flow reaches it over HTTP in the same dialect as vLLM. The command::
 
     EXECUTABLE... serve --model FOLDER --served-name NAME --host H --port P --device D --max-loras N
-        --adapter-root DIR... --quiet --parent-pid PID
+        --overlap-decode MODE --adapter-root DIR... [--engine FIELD=VALUE...] --quiet --parent-pid PID
 
 with the API key in ``TRAJFLOW_API_KEY`` (which ``trajflow serve`` reads), never on the command line, and this code's
 root at the front of ``PYTHONPATH``, so the child runs the same trajflow as its parent whatever its working folder.
@@ -32,7 +32,8 @@ class EmbeddedServerProcess(ManagedServer):
     log_prefix = "embedded-"
 
     def __init__(self, executable: list[str], model: str, served_name: str, device: str, max_loras: int,
-                 adapter_roots: list[str], overlap_decode: str = "auto", host: str = "127.0.0.1", port: int = 0,
+                 adapter_roots: list[str], overlap_decode: str = "auto", engine: dict | None = None,
+                 host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, log_path: str | Path | None = None, startup_timeout_s: float = 600,
                  stop_grace_s: float = 30):
         super().__init__(host=host, port=port, api_key=api_key, log_path=log_path,
@@ -41,12 +42,14 @@ class EmbeddedServerProcess(ManagedServer):
         self.model, self.served_name, self.device = model, served_name, device
         self.max_loras, self.adapter_roots = max_loras, list(adapter_roots)
         self.overlap_decode = overlap_decode
+        self.engine = dict(engine or {})
 
     def argv(self, port: int) -> list[str]:
         roots = [arg for root in self.adapter_roots for arg in ("--adapter-root", str(root))]
+        engine = [arg for name, value in self.engine.items() for arg in ("--engine", f"{name}={_flag(value)}")]
         return [*self.executable, "serve", "--model", self.model, "--served-name", self.served_name,
                 "--host", self.host, "--port", str(port), "--device", self.device,
-                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, "--quiet",
+                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, *engine, "--quiet",
                 "--parent-pid", str(os.getpid())]
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
@@ -61,3 +64,8 @@ class EmbeddedServerProcess(ManagedServer):
 
     def missing_hint(self, error: OSError) -> str:
         return f"cannot run {self.executable[0]!r} to start {self.label}: {error}"
+
+
+def _flag(value) -> str:
+    """A run config's YAML value as `trajflow serve --engine` reads it (booleans as true/false, None as auto)."""
+    return "auto" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

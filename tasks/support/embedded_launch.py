@@ -31,6 +31,7 @@ def embedded_process(config: RunConfig, api_key: str | None, device: str, port: 
     spec = resolve_model(config.base_model)
     return EmbeddedServerProcess(
         SERVE_COMMAND, model=str(spec.path), served_name=spec.name, device=device, max_loras=inf.max_loras,
-        overlap_decode=inf.overlap_decode, adapter_roots=[str(adapter_cache(config.project, config.run))],
+        overlap_decode=inf.overlap_decode, engine=inf.engine,
+        adapter_roots=[str(adapter_cache(config.project, config.run))],
         host=inf.host, port=port, api_key=api_key,
         log_path=server_log_file(config.project, config.run, "embedded", replica))

@@ -121,13 +121,13 @@ class Runtime:
             from tasks.support.embedded_launch import embedded_process
 
             return embedded_process(self.config, self.api_key, device, port, replica).start()
-        from backends.inference.engine import EngineConfig
+        from backends.inference.engine_config import EngineConfig
         from backends.serving.app import start_server
         from backends.serving.cli import OVERLAP_CHOICES
 
         return start_server(model=self.config.base_model, host=inf.host, port=port, api_key=self.api_key,
                             device=device, max_loras=inf.max_loras,
-                            config=EngineConfig(overlap_decode=OVERLAP_CHOICES[inf.overlap_decode]))
+                            config=EngineConfig(overlap_decode=OVERLAP_CHOICES[inf.overlap_decode], **inf.engine))
 
     @property
     def base_url(self) -> str | None:

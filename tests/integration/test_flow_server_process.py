@@ -125,7 +125,8 @@ def test_the_key_goes_in_the_environment_and_the_command_covers_the_adapter_cach
     from backends.policy.publish import adapter_cache
     from tasks.support.embedded_launch import embedded_process
 
-    config = _config(tmp_path, "inference.max_loras=3", "inference.overlap_decode=off")
+    config = _config(tmp_path, "inference.max_loras=3", "inference.overlap_decode=off",
+                     "inference.engine.compile_decode=on", "inference.engine.admission_wait_steps=2")
     server = embedded_process(config, "s3cret-key", "cpu", 0, replica=1)
     argv, env = server.argv(1234), server.environment({"PYTHONPATH": "/elsewhere", "TRAJFLOW_API_KEY": "stale"})
     assert "s3cret-key" not in " ".join(argv) and env["TRAJFLOW_API_KEY"] == "s3cret-key"
@@ -133,6 +134,8 @@ def test_the_key_goes_in_the_environment_and_the_command_covers_the_adapter_cach
     assert argv[argv.index("--model") + 1] == str(tiny_model_path) and "--quiet" in argv
     assert [argv[argv.index(f) + 1] for f in ("--served-name", "--device", "--max-loras", "--overlap-decode",
                                               "--port")] == ["tiny-random", "cpu", "3", "off", "1234"]
+    engine = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--engine"]
+    assert engine == ["compile_decode=true", "admission_wait_steps=2"]  # YAML's on is a bool: serve reads 'true'
     assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/elsewhere"]  # this checkout first
     assert server.log_path == tmp_path / "logs" / "ci" / "tiny.embedded-1.log"
     assert "TRAJFLOW_API_KEY" not in embedded_process(config, None, "cpu", 0).environment({"TRAJFLOW_API_KEY": "x"})

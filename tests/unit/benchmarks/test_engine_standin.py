@@ -68,3 +68,23 @@ def test_overlapped_the_host_work_hides_behind_the_standin_steps(tiny_hf):
         assert [len(c.token_ids) for c in out] == [40] * 4
         waits[overlap] = counters.decode_wait_s / counters.decode_device_s
     assert waits[False] > 0.97 and waits[True] < waits[False]
+
+
+def test_the_standin_serves_an_adapter(tiny_hf, tmp_path):
+    """A request on an adapter takes the engine's one-slot path, which asks the runner for merged weights."""
+    import copy
+
+    from benchmarks.inference import random_lora
+
+    model, tok = tiny_hf
+    random_lora(copy.deepcopy(model), 4, tmp_path / "adapter")
+    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=8))
+    try:
+        engine.load_adapter("policy@1", str(tmp_path / "adapter"))
+        counters = install(engine, StandInTiming(decode_base_ms=1, decode_per_row_ms=0))
+        out = engine.generate_sync([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True, seed=3), "policy@1",
+                                   n=2, timeout=30)
+    finally:
+        engine.shutdown()
+    assert [len(c.token_ids) for c in out] == [6, 6] and counters.decode_steps == 5
+    assert engine.stats["single_slot_steps"] == 5

@@ -40,6 +40,15 @@ def test_overlap_decode_reaches_the_engine_config(value, engine_value):
     assert _engine_config(args).overlap_decode is engine_value
 
 
+def test_engine_settings_reach_the_engine_config():
+    from backends.serving.cli import _engine_config
+
+    config = _engine_config(_parse("--engine", "compile_decode=on", "--engine", "merged-single-adapter=true",
+                                   "--engine", "admission_wait_steps=8", "--engine", "prefill_token_budget=auto"))
+    assert (config.compile_decode, config.merged_single_adapter, config.admission_wait_steps,
+            config.prefill_token_budget) == (True, True, 8, None)
+
+
 def test_overlap_decode_takes_only_its_three_values(capsys):
     with pytest.raises(SystemExit) as e:
         _parse("--overlap-decode", "yes")
@@ -63,6 +72,12 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--max-batch-size", "0"], "--max-batch-size 0: input should be greater than or equal to 1"),
     (["--max-seq-len", "3"], "--max-seq-len 3: input should be greater than or equal to 16"),
     (["--max-body-mb", "0"], "--max-body-mb 0.0: must be positive"),
+    (["--engine", "compile_decode"], "--engine 'compile_decode': expected FIELD=VALUE"),
+    (["--engine", "warp_speed=on"], "no engine setting 'warp_speed'; known: "),
+    (["--engine", "admission_wait_steps=-2"], "--engine admission_wait_steps=-2: input should be greater than or"),
+    (["--engine", "compile_decode=maybe"], "--engine compile_decode=maybe: input should be a valid boolean"),
+    (["--engine", "max_loras=2"], "max_loras has its own flag, --max-loras"),
+    (["--engine", "compile_decode=on", "--engine", "compile-decode=off"], "compile_decode is set twice"),
     (["--host", "0.0.0.0"], "binding 0.0.0.0 needs an API key"),
     (["--adapter-root", "http://example.com/adapters"], "adapter root 'http://example.com/adapters'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
