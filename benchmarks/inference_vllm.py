@@ -32,10 +32,13 @@ What is measured, and how:
 GPU (vLLM importable; see README, "GPU machines"):
     python benchmarks/inference_vllm.py --out benchmarks/results/inference-vllm-h200.json
 GPU, the embedded server alone (c = 1/8/64/256, the GRPO load, the decode step; writes OUT.json and OUT.md, the
-server's log in --logs), with the flow's wheels (benchmarks/gpu/wheels-flow.txt: fastapi, uvicorn, orjson) on
-PYTHONPATH:
+server's log in --logs), with the flow's wheels on PYTHONPATH (benchmarks/gpu/wheels-flow.txt: fastapi, uvicorn,
+orjson, and openai's httpx2: parts 02 and 03 of its `gather_wheels.py` output at least; with vLLM's set, add orjson):
     python benchmarks/inference_vllm.py --systems embedded --budget-s 400 --out $OUT/inference-embedded-h200.json \
         --logs $OUT
+Several engine configurations in one call, each with its loads and decode step (the first one is the summary's):
+    python benchmarks/inference_vllm.py --systems embedded --embedded-config merged_single_adapter=true,\
+compile_decode=true --embedded-config '' --out $OUT/inference-embedded-merged-h200.json --logs $OUT
 CPU check without vLLM (embedded server only, tiny model, a few requests):
     python benchmarks/inference_vllm.py --smoke
 """
