@@ -95,6 +95,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # 'auto' is chosen per micro-batch (cuDNN rows where every row is long, else varlen): these are its two sides
     "varlen+warm-up": {"attention_kernel": "varlen"},  # the 'auto' before the per-micro-batch choice
     "cudnn-mb24k+warm-up": {"attention_kernel": "cudnn", "micro_batch_tokens": 24576},  # over --micro-batch-tokens
+    # the defaults with fewer, larger micro-batches (fewer launches per token; more activation memory: <= 40 GiB?)
+    "mb24k+warm-up": {"micro_batch_tokens": 24576},
+    "mb32k+warm-up": {"micro_batch_tokens": 32768},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
     # (both on by default on CUDA), together and one at a time
     "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
