@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other engine setting (repeatable), e.g. --engine compile_decode=on --engine "
                         "admission_wait_steps=8; 'auto' leaves a setting to its device default. The fields and what "
-                        "they do: EngineConfig in backends/inference/engine.py")
+                        "they do: EngineConfig in backends/inference/engine_config.py")
     p.add_argument("--served-name", default=None, help="name of the base model in requests (default: its id)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR|s3://BUCKET/PREFIX",
                    help="where /v1/load_lora_adapter may read adapters, besides the trajflow cache (repeatable); "
