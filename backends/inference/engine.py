@@ -31,8 +31,12 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
 - **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
+- **Shared prefill** (`prompt_sharing`): requests admitted together with the same prompt and adapter (a GRPO group
+  sent as n=1 requests) share one prefill row, as the n choices of one request do: the row's KV prefix is copied to
+  their slots and each samples its first token with its own seed.
 - **Limits.** A prompt is prefilled in one go (no chunked prefill): a long prompt delays running sequences by one
-  prefill. No prefix caching across requests (the n choices of one request share their prompt's prefill).
+  prefill. No prefix caching beyond one admission: a prompt equal to, or extending, the prompt of a sequence
+  admitted earlier is prefilled again from position 0.
 
 The benchmark (``benchmarks/inference.py``, results in ``benchmarks/results/``) measures this engine against one
 ``generate`` per request, on this CPU and on an H200.
@@ -62,6 +66,7 @@ from backends.inference.decoder import DecoderRunner, describe
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.loop_handoff import LoopHandoff
 from backends.inference.lora_slots import LoraSlots
+from backends.inference.prompt_sharing import share_rows
 from backends.inference.sampling import choice_seed, sample, uniform
 from backends.modeling.chat_render import end_of_turn_ids
 
@@ -275,9 +280,11 @@ class Engine:
         # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
         # merged_steps those that ran on merged weights (`merged_single_adapter`), merge_rebuilds and merge_seconds
         # the rebuilds of those weights and their host time (included in decode_seconds).
-        self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
-                      "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0, "merge_seconds": 0.0,
-                      "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
+        # prefill_tokens: prompt tokens computed (a prompt shared by several requests of one admission counts once);
+        # shared_prefill_requests: requests whose first token came from another request's prefill row.
+        self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "shared_prefill_requests": 0,
+                      "decode_steps": 0, "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0,
+                      "merge_seconds": 0.0, "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -547,24 +554,33 @@ class Engine:
         return admitted
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        longest = max(len(r.prompt) for r in reqs)
-        tokens = torch.zeros((len(reqs), longest), dtype=torch.long)
-        for i, r in enumerate(reqs):
+        """Prefill the admitted requests in one padded batch with one row per distinct (adapter, prompt)
+        (`prompt_sharing`): the other slots of a row's requests and choices get a copy of its KV prefix, and every
+        sequence samples its first token from its row's logits with its own seed, temperature and top-p."""
+        shared = share_rows([r.prompt for r in reqs], [r.lora_slot for r in reqs])
+        heads = [reqs[i] for i in shared.firsts]
+        longest = max(len(r.prompt) for r in heads)
+        tokens = torch.zeros((len(heads), longest), dtype=torch.long)
+        for i, r in enumerate(heads):
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
         dev = self.device
-        lengths = torch.tensor([len(r.prompt) for r in reqs], device=dev)
-        slots = torch.tensor([r.seqs[0].slot for r in reqs], device=dev)
+        lengths = torch.tensor([len(r.prompt) for r in heads], device=dev)
+        slots = torch.tensor([r.seqs[0].slot for r in heads], device=dev)
         lora_rows = lora_slots = None
-        if any(r.lora_slot >= 0 for r in reqs):
-            lora_rows = torch.tensor([r.lora_slot for r in reqs], device=dev)
-            lora_slots = max(r.lora_slot for r in reqs) + 1
+        if any(r.lora_slot >= 0 for r in heads):
+            lora_rows = torch.tensor([r.lora_slot for r in heads], device=dev)
+            lora_slots = max(r.lora_slot for r in heads) + 1
         logits = self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots)
-        for r in reqs:
-            self.kv.copy_prefix(r.seqs[0].slot, [s.slot for s in r.seqs[1:]], len(r.prompt))
+        group_slots: list[list[int]] = [[] for _ in heads]  # a row's slots, its head's first choice first
+        for r, row in zip(reqs, shared.rows):
+            group_slots[row] += [s.slot for s in r.seqs]
+        for r, group in zip(heads, group_slots):
+            self.kv.copy_prefix(group[0], group[1:], len(r.prompt))
         self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in heads)
+        self.stats["shared_prefill_requests"] += len(reqs) - len(heads)
         seqs = [s for r in reqs for s in r.seqs]
-        rows = torch.tensor([i for i, r in enumerate(reqs) for _ in r.seqs], device=dev)
+        rows = torch.tensor([row for r, row in zip(reqs, shared.rows) for _ in r.seqs], device=dev)
         temp = torch.tensor([s.req.params.temperature for s in seqs], device=dev, dtype=torch.float32)
         top_p = [s.req.params.top_p for s in seqs]
         u = torch.tensor([uniform(s.seed, 0) for s in seqs], device=dev, dtype=torch.float64)
