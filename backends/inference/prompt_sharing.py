@@ -41,3 +41,9 @@ def share_rows(prompts: Sequence[Sequence[int]], adapters: Sequence[int]) -> Sha
             firsts.append(i)
         rows.append(row)
     return SharedRows(firsts, rows)
+
+
+def one_row_each(prompts: Sequence[Sequence[int]], adapters: Sequence[int]) -> SharedRows:
+    """Every request its own row: the engine without sharing, which tests and benchmarks compare against."""
+    rows = list(range(len(prompts)))
+    return SharedRows(rows, list(rows))

@@ -12,7 +12,7 @@ import pytest
 
 from backends.inference import engine as engine_module
 from backends.inference.engine import Engine, EngineConfig, SamplingParams
-from backends.inference.prompt_sharing import SharedRows, share_rows
+from backends.inference.prompt_sharing import SharedRows, one_row_each, share_rows
 from tests.fixtures_server import wait_until
 from tests.unit.backends.inference.test_overlap_decode import PROMPTS, assert_alike, run_all
 
@@ -22,6 +22,7 @@ def test_rows_are_shared_by_equal_prompts_on_one_adapter_only():
     adapters = [-1, -1, -1, 0, -1, 1, -1]
     assert share_rows(prompts, adapters) == SharedRows(firsts=[0, 2, 3, 4, 5], rows=[0, 0, 1, 2, 3, 4, 1])
     assert share_rows([], []) == SharedRows([], [])
+    assert one_row_each(prompts, adapters) == SharedRows(list(range(7)), list(range(7)))
     with pytest.raises(ValueError):
         share_rows(prompts, adapters[:-1])
 
@@ -49,11 +50,6 @@ def prefills(engine, monkeypatch) -> list[tuple[int, list[int]]]:
 
     monkeypatch.setattr(engine.runner, "prefill", counted)
     return seen
-
-
-def one_row_each(prompts, adapters) -> SharedRows:
-    """No sharing: what the engine prefilled before `prompt_sharing`."""
-    return SharedRows(list(range(len(prompts))), list(range(len(prompts))))
 
 
 def grpo_groups() -> list:
