@@ -1,8 +1,9 @@
 """Shared prefill (`prompt_sharing`): requests admitted together with the same prompt and adapter get one prefill
 row, and each keeps its own sampling: the completions are those of the same requests prefilled one row each, and of
-each request alone (tokens equal; logprobs up to the float rounding that other batch shapes give on the CPU).
-Different adapters or prompts never share a row, and aborting the request whose row was shared leaves the others'
-copies of its KV prefix intact."""
+each request alone (tokens equal; logprobs up to the float rounding that other batch shapes give on the CPU). A
+request admitted while a sequence holding its row runs reuses that row without a forward. Different adapters or
+prompts never share a row, and aborting the request whose row was shared leaves the others' copies of its KV prefix
+intact. Serial and overlapped decode (whose steps also write the rows of finished, not yet freed slots)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from backends.inference import engine as engine_module
 from backends.inference.engine import Engine, EngineConfig, SamplingParams
-from backends.inference.prompt_sharing import SharedRows, one_row_each, share_rows
+from backends.inference.prompt_sharing import LivePrompts, SharedRows, one_row_each, share_rows
 from tests.fixtures_server import wait_until
 from tests.unit.backends.inference.test_overlap_decode import PROMPTS, assert_alike, run_all
 
@@ -20,18 +21,35 @@ from tests.unit.backends.inference.test_overlap_decode import PROMPTS, assert_al
 def test_rows_are_shared_by_equal_prompts_on_one_adapter_only():
     prompts = [[5, 6, 7], [5, 6, 7], [5, 6, 7, 8], [5, 6, 7], [5, 6], [5, 6, 7], [5, 6, 7, 8]]
     adapters = [-1, -1, -1, 0, -1, 1, -1]
-    assert share_rows(prompts, adapters) == SharedRows(firsts=[0, 2, 3, 4, 5], rows=[0, 0, 1, 2, 3, 4, 1])
-    assert share_rows([], []) == SharedRows([], [])
-    assert one_row_each(prompts, adapters) == SharedRows(list(range(7)), list(range(7)))
+    keys = [(-1, (5, 6, 7)), (-1, (5, 6, 7, 8)), (0, (5, 6, 7)), (-1, (5, 6)), (1, (5, 6, 7))]
+    assert share_rows(prompts, adapters) == SharedRows([0, 2, 3, 4, 5], [0, 0, 1, 2, 3, 4, 1], keys)
+    assert share_rows([], []) == SharedRows([], [], [])
+    assert one_row_each(prompts, adapters) == SharedRows(list(range(7)), list(range(7)), [None] * 7)
     with pytest.raises(ValueError):
         share_rows(prompts, adapters[:-1])
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_hf, random_adapter, distinct_adapters):
-    """tiny-random serving pol@1 and other@1 (2 LoRA slots)."""
+def test_a_live_row_goes_with_its_last_holder():
+    live, key, other = LivePrompts(), (-1, (5, 6)), (0, (5, 6))
+    a, b, c = object(), object(), object()
+    live.hold(key, "logits", [a, b])
+    live.hold(key, "ignored: the row is live", [c])
+    live.hold(other, "other logits", [object()])
+    assert live.find(key) == ("logits", a) and len(live) == 2
+    live.release(a)
+    live.release(object())  # never held anything
+    assert live.find(key) == ("logits", b)
+    live.release(b)
+    live.release(c)
+    assert live.find(key) is None and len(live) == 1
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlapped"])
+def engine(request, tiny_hf, random_adapter, distinct_adapters):
+    """tiny-random serving pol@1 and other@1 (2 LoRA slots), decoding serially or overlapped."""
     model, tok = tiny_hf
-    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=32, max_loras=2))
+    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=32, max_loras=2,
+                                                           overlap_decode=request.param))
     engine.load_adapter("pol@1", str(random_adapter[0]))
     engine.load_adapter("other@1", str(distinct_adapters[0][0]))
     yield engine
@@ -144,3 +162,55 @@ async def test_aborting_the_request_whose_row_was_shared_leaves_the_others_alone
     assert delta(engine, before)["shared_prefill_requests"] == len(kept)
     for got, want in zip(await asyncio.wait_for(asyncio.gather(*jobs), 120), reference):
         assert_alike(got, want)
+
+
+async def decoding(engine: Engine, job: asyncio.Future) -> None:
+    """Wait until `job`'s request has had a few decode steps."""
+    steps = engine.stats["decode_steps"]
+    await wait_until(lambda: engine.stats["decode_steps"] > steps + 3, 30, "a few decode steps")
+    assert not job.done()
+
+
+async def test_a_request_admitted_later_reuses_the_row_a_running_sequence_holds(engine, prefills):
+    prompt, later = PROMPTS[3], [SamplingParams(max_tokens=12, seed=40 + i, ignore_eos=True) for i in range(3)]
+    requests = [(prompt, p, "pol@1", n) for p, n in zip(later, (1, 2, 1))] + [(prompt, later[0], None, 1)]
+    reference = await alone(engine, requests)
+    await wait_until(lambda: len(engine.live_prompts) == 0, 10, "the finished requests' rows to go")
+    prefills.clear()
+    before = counters(engine)
+    first = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True), "pol@1"))
+    await decoding(engine, first)
+    got = await asyncio.gather(*[engine.generate(p, s, m, n) for p, s, m, n in requests])
+    # pol@1's requests took the row (one admission or several), the base one computed its own
+    assert [rows for rows, _ in prefills] == [1, 1]
+    assert delta(engine, before)["shared_prefill_requests"] == 3
+    for a, b in zip(got, reference):
+        assert_alike(a, b)
+    await first
+    await wait_until(lambda: len(engine.live_prompts) == 0, 10, "the rows to go with their last holders")
+    await engine.generate(prompt, later[0], "pol@1")
+    assert len(prefills) == 3  # nobody held the row any more: computed again
+
+
+async def test_the_row_outlives_its_first_holder(engine, prefills):
+    prompt = PROMPTS[5]
+    params = [SamplingParams(max_tokens=m, seed=50 + m, ignore_eos=True) for m in (300, 20)]
+    reference = await alone(engine, [(prompt, params[1], "other@1", 1)])
+    prefills.clear()
+    before = counters(engine)
+    doomed = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True),
+                                                   "other@1"))
+    await decoding(engine, doomed)
+    second = asyncio.ensure_future(engine.generate(prompt, params[0], "other@1"))  # copies the doomed one's prefix
+    await decoding(engine, second)
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    # the row now lives in the second request's slot alone; the freed slot is the lowest, so this one takes it
+    got = await engine.generate(prompt, params[1], "other@1")
+    assert not second.done() and len(prefills) == 1
+    assert delta(engine, before)["shared_prefill_requests"] == 2
+    assert_alike(got, reference[0])
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
