@@ -281,7 +281,7 @@ class Engine:
         # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
         # merged_steps those that ran on merged weights (`merged_single_adapter`), merge_rebuilds and merge_seconds
         # the rebuilds of those weights and their host time (included in decode_seconds).
-        # prefill_tokens: prompt tokens computed (a prompt shared by several requests of one admission counts once);
+        # prefill_tokens: prompt tokens computed (a row shared in one admission counts once, a live row not at all);
         # shared_prefill_requests: requests whose first token came from a row computed for another request (of their
         # admission, or one a running sequence holds).
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "shared_prefill_requests": 0,
