@@ -59,6 +59,16 @@ def build_random_qwen(device: str):
     return model, tok, "qwen2.5-0.5b-random"
 
 
+def load_served(model: str, device: str):
+    """(model, tokenizer, name) of `model`: ``qwen2.5-0.5b-random`` (`build_random_qwen`) or what `load_model` loads."""
+    if model == "qwen2.5-0.5b-random":
+        return build_random_qwen(device)
+    from backends.modeling.loading import load_model
+
+    hf_model, tok, spec = load_model(model, device=device)
+    return hf_model, tok, spec.name
+
+
 def random_lora(model, rank: int, folder: Path):
     """Wrap `model` with a peft LoRA (all 7 projections, nonzero random B) saved to `folder`; returns the peft model."""
     import torch
@@ -309,13 +319,7 @@ def main(argv=None) -> int:
 
     check = correctness_check(args.device) if args.check else None
     t_setup = time.perf_counter()
-    if args.model == "qwen2.5-0.5b-random":
-        model, tok, name = build_random_qwen(args.device)
-    else:
-        from backends.modeling.loading import load_model
-
-        model, tok, spec = load_model(args.model, device=args.device)
-        name = spec.name
+    model, tok, name = load_served(args.model, args.device)
     engine = Engine(model, tok, name, EngineConfig(max_batch_size=args.max_batch_size))
     served = name
     baseline_model = model

@@ -32,8 +32,13 @@ SmolLM2-135M, 67 tok/s at 64 against 15. How:
 - **Sampling** (`sampling`): raw logprobs; one counter-based uniform per token from the request's seed, so
   the same seed gives the same tokens whatever else is in the batch, except when float differences in logits
   between batch shapes move a draw across a token boundary (rare: the uniform has to fall within ~1e-6 of it).
+- **Shared prefill** (`prompt_sharing`): requests with the same prompt and adapter (a GRPO group sent as n=1
+  requests) share one prefill row, as the n choices of one request do: the row's KV prefix is copied to their slots
+  and each samples its first token with its own seed. Requests admitted together share a row; a request admitted
+  later reuses it without a forward while a sequence holding it still runs (its logits are kept that long).
 - **Limits.** A prompt is prefilled in one go (no chunked prefill): a long prompt delays running sequences by one
-  prefill. No prefix caching across requests (the n choices of one request share their prompt's prefill).
+  prefill. Only equal prompts share: a prompt that extends another one (a later turn) is prefilled from position 0,
+  and so is a prompt whose earlier requests have all finished.
 
 The benchmark (``benchmarks/inference.py``, results in ``benchmarks/results/``) measures this engine against one
 ``generate`` per request, on this CPU and on an H200.
@@ -63,6 +68,7 @@ from backends.inference.engine_config import EngineConfig
 from backends.inference.kv_cache import SlotKVCache
 from backends.inference.loop_handoff import LoopHandoff
 from backends.inference.lora_slots import LoraSlots
+from backends.inference.prompt_sharing import LivePrompts, share_rows
 from backends.inference.sampling import choice_seed, sample, uniform
 from backends.modeling.chat_render import end_of_turn_ids
 
@@ -214,9 +220,12 @@ class Engine:
         # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
         # merged_steps those that ran on merged weights (`merged_single_adapter`), merge_rebuilds and merge_seconds
         # the rebuilds of those weights and their host time (included in decode_seconds).
-        self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "decode_steps": 0,
-                      "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0, "merge_seconds": 0.0,
-                      "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
+        # prefill_tokens: prompt tokens computed (a row shared in one admission counts once, a live row not at all);
+        # shared_prefill_requests: requests whose first token came from a row computed for another request (of their
+        # admission, or one a running sequence holds).
+        self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "shared_prefill_requests": 0,
+                      "decode_steps": 0, "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0,
+                      "merge_seconds": 0.0, "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -225,6 +234,7 @@ class Engine:
         self._ids = 0
         self._steps = 0
         self._inflight: _Step | None = None  # overlapped: the step launched and not yet accepted
+        self.live_prompts = LivePrompts()  # prefill rows that running sequences hold (`prompt_sharing`)
         self._stopping = False
         self._handoff = LoopHandoff()
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
@@ -507,25 +517,50 @@ class Engine:
             longest = longest_if
         return admitted
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        longest = max(len(r.prompt) for r in reqs)
-        tokens = torch.zeros((len(reqs), longest), dtype=torch.long)
-        for i, r in enumerate(reqs):
+    def _prefill_rows(self, heads: list[_Request]) -> torch.Tensor:
+        """One padded prefill of the prompts of `heads`, each into its first choice's slot -> logits [rows, V]."""
+        longest = max(len(r.prompt) for r in heads)
+        tokens = torch.zeros((len(heads), longest), dtype=torch.long)
+        for i, r in enumerate(heads):
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
         dev = self.device
-        lengths = torch.tensor([len(r.prompt) for r in reqs], device=dev)
-        slots = torch.tensor([r.seqs[0].slot for r in reqs], device=dev)
+        lengths = torch.tensor([len(r.prompt) for r in heads], device=dev)
+        slots = torch.tensor([r.seqs[0].slot for r in heads], device=dev)
         lora_rows = lora_slots = None
-        if any(r.lora_slot >= 0 for r in reqs):
-            lora_rows = torch.tensor([r.lora_slot for r in reqs], device=dev)
-            lora_slots = max(r.lora_slot for r in reqs) + 1
-        logits = self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots)
-        for r in reqs:
-            self.kv.copy_prefix(r.seqs[0].slot, [s.slot for s in r.seqs[1:]], len(r.prompt))
+        if any(r.lora_slot >= 0 for r in heads):
+            lora_rows = torch.tensor([r.lora_slot for r in heads], device=dev)
+            lora_slots = max(r.lora_slot for r in heads) + 1
         self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in heads)
+        return self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots)
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Prefill the admitted requests with one row per distinct (adapter, prompt) (`prompt_sharing`): rows that a
+        running sequence holds are not computed again, the others in one padded batch. Every slot of a row gets a
+        copy of its KV prefix, and every sequence samples its first token from its row's logits with its own seed,
+        temperature and top-p."""
+        shared = share_rows([r.prompt for r in reqs], [r.lora_slot for r in reqs])
+        heads = [reqs[i] for i in shared.firsts]
+        live = [None if key is None else self.live_prompts.find(key) for key in shared.keys]
+        fresh = [k for k, hit in enumerate(live) if hit is None]
+        row_logits = [hit[0] if hit is not None else None for hit in live]
+        if fresh:
+            computed = self._prefill_rows([heads[k] for k in fresh])
+            for j, k in enumerate(fresh):
+                row_logits[k] = computed[j].clone()  # kept while the row is live: not a view of the whole batch
+        group_seqs: list[list[_Seq]] = [[] for _ in heads]
+        for r, row in zip(reqs, shared.rows):
+            group_seqs[row] += r.seqs
+        for r, group, hit, key, logits in zip(heads, group_seqs, live, shared.keys, row_logits):
+            source = group[0] if hit is None else hit[1]  # a fresh row was prefilled into its first slot
+            self.kv.copy_prefix(source.slot, [s.slot for s in group if s is not source], len(r.prompt))
+            if key is not None:
+                self.live_prompts.hold(key, logits, group)
+        self.stats["shared_prefill_requests"] += len(reqs) - len(fresh)
+        dev = self.device
+        logits = torch.stack(row_logits)
         seqs = [s for r in reqs for s in r.seqs]
-        rows = torch.tensor([i for i, r in enumerate(reqs) for _ in r.seqs], device=dev)
+        rows = torch.tensor([row for r, row in zip(reqs, shared.rows) for _ in r.seqs], device=dev)
         temp = torch.tensor([s.req.params.temperature for s in seqs], device=dev, dtype=torch.float32)
         top_p = [s.req.params.top_p for s in seqs]
         u = torch.tensor([uniform(s.seed, 0) for s in seqs], device=dev, dtype=torch.float64)
@@ -701,6 +736,7 @@ class Engine:
         if self._running.get(s.slot) is not s:
             return
         del self._running[s.slot]
+        self.live_prompts.release(s)
         self.kv.release(s.slot)
         heapq.heappush(self._free, s.slot)
         req = s.req
