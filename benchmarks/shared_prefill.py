@@ -115,6 +115,7 @@ def main(argv=None) -> int:
         engine_module.share_rows = share_rows
         engine.shutdown()
     report = {
+        "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "workload": {"model": name, "device": args.device, "lora_rank": args.lora_rank, "groups": args.groups,
                      "group_size": args.group_size, "prompt_tokens": [len(p) for p in prompts],
                      "new_tokens": args.new_tokens, "reps": args.reps},
