@@ -133,6 +133,15 @@ def assert_same_adam_updates(got: dict, want: dict, learning_rate: float, steps:
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
+def assert_same_model_state(got, want) -> None:
+    """Two trainers' models hold the same ``state_dict``: the same keys, shapes and values (a base weight moved into
+    a wider buffer still reads as the plain matrix)."""
+    state_got, state_want = got.model.state_dict(), want.model.state_dict()
+    assert state_got.keys() == state_want.keys()
+    for k, v in state_want.items():
+        assert state_got[k].shape == v.shape and torch.equal(state_got[k], v), k
+
+
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path):
     """(model, tokenizer) of the tiny random model, fp32 CPU, for sampling conversations."""

@@ -15,6 +15,7 @@ from backends.training.trainer import GRPOTrainer
 from tests.fixtures_trainer import (
     assert_same_adam_updates,
     assert_same_gradients,
+    assert_same_model_state,
     record_gradients,
     synthetic_group,
 )
@@ -223,10 +224,7 @@ def test_trainer_steps_with_fold_equal_fold_off(tiny_model_path, tmp_path, lean,
 def test_folded_weights_read_as_the_plain_matrices_and_only_lora_is_saved(tiny_model_path, tmp_path):
     off = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on"))
     on = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on", fold_lora_b="on"))
-    base_on, base_off = on.model.state_dict(), off.model.state_dict()
-    assert base_on.keys() == base_off.keys()
-    for k, v in base_off.items():
-        assert base_on[k].shape == v.shape and torch.equal(base_on[k], v), k
+    assert_same_model_state(on, off)
     on.save_checkpoint(tmp_path / "ckpt")
     from safetensors.torch import load_file
 
