@@ -11,6 +11,7 @@ from backends.training.kernels.group_qkv import PROJECTIONS, group_model, groupe
 from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.trainer import GRPOTrainer
 from tests.fixtures_trainer import (
+    assert_as_close_to_exact,
     assert_same_adam_updates,
     assert_same_model_state,
     record_gradients,
@@ -77,6 +78,16 @@ def test_trainer_steps_with_group_qkv_equal_group_off(tiny_model_path, lean, cac
     prompt, completion = [5, 6, 7, 8], [10, 11, 12]
     assert on.sequence_logprobs(prompt, completion) == pytest.approx(off.sequence_logprobs(prompt, completion),
                                                                       rel=1e-5, abs=1e-6)
+
+
+def test_bf16_steps_grouped_are_as_close_to_fp32_as_ungrouped(tiny_model_path):
+    """bf16 on the CPU (no autocast: the weights' dtype) runs grouped too; each of q, k, v is rounded once instead of
+    twice (x W^T, then + z (sB)^T), so its gradients' error against fp32 is the size of group_qkv off's."""
+    cfg = dict(CFG, memory_efficient_ops="on")
+    runs = {mode: _run(tiny_model_path, group_qkv=mode, dtype="bfloat16", **cfg) for mode in ("off", "on")}
+    exact = _run(tiny_model_path, dtype="float32", **cfg)[3]
+    assert runs["on"][4] > 0 and runs["on"][0].grouped_qkv_layers == 2  # the grouped op ran in bf16
+    assert_as_close_to_exact(runs["on"][3], runs["off"][3], exact)
 
 
 def test_the_base_weights_are_held_once_and_read_as_the_plain_matrices(tiny_model_path):
