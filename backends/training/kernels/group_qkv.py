@@ -46,6 +46,10 @@ Simplifications:
    ``lora_param_grads``, so ``accumulate_lora_grads`` adds each straight into its master's ``.grad`` (one ``addmm``
    per module either way; one [R, in] product would need three adds after it).
 2. An output whose gradient is None (not used by the loss) gets zeros in g, never a narrower product.
+3. q, k and v are views with the row stride out_q + out_k + out_v, not their own width. The varlen attention takes
+   them as they are (last dimension contiguous); the per-row SDPA path with buckets ('cudnn', 'auto''s long rows)
+   makes each unpadded row contiguous (``packed_attention._split_rows``): a copy of v there (and of q and k where the
+   rotary keeps their layout) that q_proj's own layout never needed; padded rows are copied either way.
 """
 
 from __future__ import annotations
