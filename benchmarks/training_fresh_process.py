@@ -62,6 +62,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 6 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-fp8-h200.json
 
+    # q, k and v as one LoRA product per attention layer (trainer.group_qkv, opt-in) against the defaults, each
+    # profiled at step 4 (launches and op counts in the summary's ``profiled``)
+    RUNS=defaults+warm-up:cold-cache,group-qkv+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 6 --steady-steps 2 --profile-steps 4 --runs $RUNS \\
+        --out $OUT/training-fresh-group-qkv-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -111,6 +117,8 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "fp8+warm-up": {"fp8_base": "on"},
     # rotary embedding as transformers' elementwise kernels, against the one fused op per layer (on by default on CUDA)
     "rope-off+warm-up": {"fused_rope": "off"},
+    # an attention layer's q, k and v as one LoRA product (trainer.group_qkv, opt-in) against the defaults
+    "group-qkv+warm-up": {"group_qkv": "on"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)
@@ -182,7 +190,8 @@ def child(args) -> None:
     settings = CONFIGS[args.config]
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
-    if args.smoke and settings.get("fp8_base") == "on":  # fused_lora's 'auto' is off on the CPU
+    # fused_lora's 'auto' is off on the CPU: the smoke turns it on for the switches that act only with it
+    if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv")):
         settings = {"fused_lora": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
@@ -263,7 +272,7 @@ def child(args) -> None:
               f"allocs {rec.get('device_allocs')}, peak {rec['peak_gib']:.1f} GiB", flush=True)
     fp8_gap = fp8_logprob_gap(trainer, data[0], max_len) if trainer.fp8 is not None else None
     out = {"config": args.config, "settings": settings, "attention": trainer.attention_path, "fp8_logprob_gap": fp8_gap,
-           "fp8_lora_layers": trainer.fp8_lora_layers,
+           "fp8_lora_layers": trainer.fp8_lora_layers, "grouped_qkv_layers": trainer.grouped_qkv_layers,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
@@ -295,6 +304,7 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "attention": run.get("attention"), "micro_batch_tokens": run.get("micro_batch_tokens"),
         "folded_lora_layers": run.get("folded_lora_layers"),
         "fp8_lora_layers": run.get("fp8_lora_layers"),
+        "grouped_qkv_layers": run.get("grouped_qkv_layers"),
         # fp8 runs: |logprob fp8 - bf16| over step 0's trained tokens, measured once after the steps (no grad)
         "fp8_logprob_gap": run.get("fp8_logprob_gap"),
         "attention_paths_steady": [x.get("attention_paths") for x in window],

@@ -133,6 +133,30 @@ def assert_same_adam_updates(got: dict, want: dict, learning_rate: float, steps:
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
+def assert_as_close_to_exact(got: list[dict], ref: list[dict], exact: list[dict]) -> None:
+    """Gradients of two paths in a low-precision dtype, each step's tensors against ``exact`` (float32) as a fraction of
+    the tensor's largest entry: ``got``'s error is the size of ``ref``'s, tensor by tensor (a wrong term would be far
+    larger), and no larger in sum. Zero tensors (B starts at zero: step 0's dL/dA) are left out."""
+    errors: dict[str, list[float]] = {"got": [], "ref": []}
+    for step, want_step in enumerate(exact):
+        for k, want in want_step.items():
+            scale = float(want.abs().max())
+            if scale > 0:
+                for name, run in (("got", got), ("ref", ref)):
+                    errors[name].append(float((run[step][k] - want).abs().max()) / scale)
+    assert all(g <= 2.5 * r + 1e-3 for g, r in zip(errors["got"], errors["ref"])), errors
+    assert sum(errors["got"]) <= 1.25 * sum(errors["ref"])
+
+
+def assert_same_model_state(got, want) -> None:
+    """Two trainers' models hold the same ``state_dict``: the same keys, shapes and values (a base weight moved into
+    a wider buffer still reads as the plain matrix)."""
+    state_got, state_want = got.model.state_dict(), want.model.state_dict()
+    assert state_got.keys() == state_want.keys()
+    for k, v in state_want.items():
+        assert state_got[k].shape == v.shape and torch.equal(state_got[k], v), k
+
+
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path):
     """(model, tokenizer) of the tiny random model, fp32 CPU, for sampling conversations."""

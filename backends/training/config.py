@@ -238,6 +238,20 @@ class TrainerConfig(BaseModel):
         "shape); 'on': every fusable module, CPU included; 'off': none. Off for every module while `fp8_base` is on "
         "(an fp8 base product and a folded bf16 one cannot share a GEMM).",
     )
+    group_qkv: Switch = Field(
+        default="off",
+        description="With fused_lora: an attention layer's q, k and v projections, which read the same x, as ONE "
+        "LoRA product: `z = x [A_q; A_k; A_v]^T`, `[q | k | v] = [x | z] W_qkv^T + b` with `W_qkv` the three "
+        "weights stacked, each row block's `(sB)_c` in its own r of the 3r extra columns; backward `[dx | dz] = "
+        "[g_q | g_k | g_v] W_qkv`, one GEMM (`backends/training/kernels/group_qkv.py`). q, k and v take 4 kernels "
+        "forward instead of 9 and 9 backward instead of 17 (a packed attention layer with the CUDA defaults: 41 -> 28 "
+        "aten ops on the CPU), one wide GEMM for three (k and v are 256 wide at the 1.5B shape), for a step that is "
+        "host-bound in its launches; the cost is one copy of g (`[g_q | g_k | g_v]`) and of x (`[x | z]`) per layer. "
+        "The three frozen weights and biases move once into one buffer (no second copy). Same function up to "
+        "rounding; where a call cannot run grouped (adapter disabled, another dtype) each module runs alone. "
+        "Llama, Qwen2, Qwen3, Mistral attention only; q, k, v are then never folded by `fold_lora_b`; off while "
+        "`fp8_base` is on. 'auto': off until measured on the H200 (run `group-qkv+warm-up`).",
+    )
     fp8_base: Switch = Field(
         default="off",
         description="With `fused_lora`: the frozen base products of every fusable LoRA linear (`x W^T` forward, `g W` "
@@ -339,7 +353,7 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads", "fold_lora_b", "fp8_base", "fused_rope")
+        "accumulate_lora_grads", "fold_lora_b", "group_qkv", "fp8_base", "fused_rope")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -362,13 +376,14 @@ class TrainerConfig(BaseModel):
     def enabled(self, switch: str, on_cuda: bool) -> bool:
         """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b acts only
-        with fused_lora too, its 'auto' on CUDA, and never with fp8_base; fp8_base only with fused_lora, and only when
-        'on' ('auto' is off until measured)."""
+        with fused_lora too, its 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv only with fused_lora,
+        and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base."""
         mode = getattr(self, switch)
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"
-        if switch == "fp8_base":
-            return mode == "on" and self.enabled("fused_lora", on_cuda)
+        if switch in ("fp8_base", "group_qkv"):
+            return (mode == "on" and self.enabled("fused_lora", on_cuda)
+                    and (switch == "fp8_base" or not self.enabled("fp8_base", on_cuda)))
         if switch == "fold_lora_b" and (not self.enabled("fused_lora", on_cuda) or self.enabled("fp8_base", on_cuda)):
             return False
         return mode == "on" or (mode == "auto" and on_cuda)

@@ -32,9 +32,10 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
-LoRA's B product into the base product (``fold_lora_b``). Opt-in, the frozen base products of the training forward
-and backward run as FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training
-micro-batches (and the warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
+LoRA's B product into the base product (``fold_lora_b``). Opt-in, an attention layer's q, k and v run as one LoRA
+product (``group_qkv``), and the frozen base products of the training forward and backward run as FP8 GEMMs
+(``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
+warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from backends.training.draft_verification import verified_greedy
 from backends.training.kernels.fold_lora_b import fold_model
 from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
 from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
+from backends.training.kernels.group_qkv import group_model
 from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels import fused_rope
 from backends.training.kernels.lean_ops import patch_model
@@ -214,6 +216,9 @@ class GRPOTrainer:
         self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)
                                   if peft_path and fused_rope.enabled(config.fused_rope, lean) else 0)
         self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0
+        # before folding: grouped q, k, v hold their own buffer, so fold_model leaves them alone
+        self.grouped_qkv_layers = (group_model(self._lm, fusable_parts)
+                                   if fused and peft_path and config.enabled("group_qkv", on_cuda) else 0)
         self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
                                    if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
         self.fp8_lora_layers = quantize_model(self._lm, fusable_parts) if self.fp8 is not None else 0

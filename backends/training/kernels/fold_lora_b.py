@@ -26,6 +26,8 @@ Choices:
   Qwen2.5-1.5B shape (hidden 1536, intermediate 8960, r 16) only the MLP's gate and up do (2 x 8960 > 1536 + 32);
   q, o (1536 -> 1536), k, v (-> 256) and down (8960 -> 1536) do not. 'auto' folds only those; 'on' folds every
   fusable module (the CPU tests' way to cover each form).
+- q, k and v grouped by ``group_qkv`` live in that op's one stacked buffer (``fold_linears`` with ``into``: their
+  folds are its row blocks) and are never folded again here, whatever this switch says.
 - Gate and up fold as one group only inside the fused SwiGLU op (``memory_efficient_ops``); without it each folds
   alone, and each keeps its own xz: one more copy of x per layer kept for backward than the unfolded ops, which
   share x.
@@ -114,21 +116,40 @@ def pays(outs: list[int], in_features: int, ranks: list[int]) -> bool:
     return sum(outs) > in_features + sum(ranks)
 
 
-def fold_linears(linears: list[torch.nn.Linear], ranks: list[int]) -> list[FoldedWeight]:
+def move_into(module: torch.nn.Module, name: str, view: torch.Tensor) -> None:
+    """Make ``module.<name>`` a frozen Parameter over ``view`` (a slice of a wider buffer) holding its values, the
+    kept first load pointed at it too (``shared_weights.moved``): the module's own tensor is then no longer held."""
+    old = getattr(module, name)
+    view.copy_(old.detach())
+    setattr(module, name, torch.nn.Parameter(view, requires_grad=False))
+    shared_weights.moved(old, getattr(module, name))
+
+
+def fold_linears(linears: list[torch.nn.Linear], ranks: list[int], into: torch.Tensor | None = None
+                 ) -> list[FoldedWeight]:
     """Move each frozen ``weight`` of a group of linears that read the same x into its own [out, in + R] buffer, the
-    module's ``weight`` becoming a Parameter over the buffer's first ``in`` columns; returns the folds, also kept
-    as each linear's ``_trajflow_fold``."""
+    module's ``weight`` becoming a Parameter over the buffer's first ``in`` columns; with ``into`` (a
+    [sum(out), in + R] buffer, ``stacked_buffer``) the buffers are its row blocks, in order. Returns the folds, also
+    kept as each linear's ``_trajflow_fold``."""
     width, folds, offset = sum(ranks), [], 0
-    for linear, rank in zip(linears, ranks):
-        w = linear.weight
-        buffer = torch.zeros(w.shape[0], w.shape[1] + width, dtype=w.dtype, device=w.device)
-        buffer[:, :w.shape[1]].copy_(w.detach())
-        linear.weight = torch.nn.Parameter(buffer[:, :w.shape[1]], requires_grad=False)
-        shared_weights.moved(w, linear.weight)
-        linear._trajflow_fold = FoldedWeight(buffer, w.shape[1], offset, rank, width)
+    outs = [linear.weight.shape[0] for linear in linears]
+    buffers = (into.split(outs) if into is not None else
+               [torch.zeros(o, linear.weight.shape[1] + width, dtype=linear.weight.dtype, device=linear.weight.device)
+                for o, linear in zip(outs, linears)])
+    for linear, rank, buffer in zip(linears, ranks, buffers):
+        in_features = linear.weight.shape[1]
+        move_into(linear, "weight", buffer[:, :in_features])
+        linear._trajflow_fold = FoldedWeight(buffer, in_features, offset, rank, width)
         folds.append(linear._trajflow_fold)
         offset += rank
     return folds
+
+
+def stacked_buffer(linears: list[torch.nn.Linear], ranks: list[int]) -> torch.Tensor:
+    """The zeros of one [sum(out), in + R] buffer for linears that read the same x (``fold_linears``' ``into``)."""
+    w = linears[0].weight
+    return torch.zeros(sum(linear.weight.shape[0] for linear in linears), w.shape[1] + sum(ranks), dtype=w.dtype,
+                       device=w.device)
 
 
 def folded_of(linear) -> FoldedWeight | None:

@@ -1,4 +1,5 @@
-"""The fresh-process training benchmark's fp8 run: its configuration, and the logprob gap it records once."""
+"""The fresh-process training benchmark's opt-in runs (fp8, group-qkv): their configuration; the logprob gap the fp8 run
+records once."""
 
 import pytest
 
@@ -11,9 +12,10 @@ from tests.fixtures_trainer import synthetic_group
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def test_the_fp8_run_turns_fp8_base_on_and_nothing_else():
-    assert CONFIGS["fp8+warm-up"] == {"fp8_base": "on"}
-    TrainerConfig(**CONFIGS["fp8+warm-up"])
+@pytest.mark.parametrize("run,switch", [("fp8+warm-up", "fp8_base"), ("group-qkv+warm-up", "group_qkv")])
+def test_the_opt_in_runs_turn_their_switch_on_and_nothing_else(run, switch):
+    assert CONFIGS[run] == {switch: "on"}
+    TrainerConfig(**CONFIGS[run])
 
 
 def test_the_gap_compares_the_fp8_forward_with_the_bf16_one_on_the_same_rows(tiny_model_path):
@@ -30,6 +32,8 @@ def test_the_summary_carries_the_gap():
     step = {"step": 0, "wall_s": 1.0, "done_at": 11.0, "tokens": 100, "peak_gib": 1.0, "flops_lora_aware": 1e12}
     run = {"config": "fp8+warm-up", "cache": "cold-cache", "spawned_at": 0.0, "t_imported": 1.0, "t_model": 2.0,
            "t_trainer": 3.0, "warm_up_s": 0.5, "n_params": 10, "steps": [step, {**step, "step": 1}],
-           "fp8_lora_layers": 196, "fp8_logprob_gap": {"mean": 0.01, "max": 0.2, "tokens": 5}}
+           "fp8_lora_layers": 196, "fp8_logprob_gap": {"mean": 0.01, "max": 0.2, "tokens": 5},
+           "grouped_qkv_layers": 28}
     summary = summarise_run(run, steady_steps=1)
     assert summary["fp8_lora_layers"] == 196 and summary["fp8_logprob_gap"]["max"] == 0.2
+    assert summary["grouped_qkv_layers"] == 28

@@ -192,10 +192,11 @@ def test_every_auto_on_off_switch_takes_a_bare_on_or_off():
         load_config("configs/tiny.yaml", ["trainer.fused_lora=maybe"])
 
 
-def test_fp8_base_is_opt_in_and_set_from_the_command_line():
-    assert load_config("configs/tiny.yaml").trainer.fp8_base == "off"
-    cfg = load_config("configs/tiny.yaml", ["trainer.fp8_base=on"])
-    assert cfg.trainer.fp8_base == "on"
-    assert RunConfig.model_validate(cfg.model_dump(mode="json")).trainer.fp8_base == "on"
-    with pytest.raises(ConfigError, match="trainer.fp8_base: input should be 'auto', 'on' or 'off'"):
-        load_config("configs/tiny.yaml", ["trainer.fp8_base=e4m3"])
+@pytest.mark.parametrize("field", ["fp8_base", "group_qkv"])
+def test_opt_in_switches_are_off_and_set_from_the_command_line(field):
+    assert getattr(load_config("configs/tiny.yaml").trainer, field) == "off"
+    cfg = load_config("configs/tiny.yaml", [f"trainer.{field}=on"])
+    assert getattr(cfg.trainer, field) == "on"
+    assert getattr(RunConfig.model_validate(cfg.model_dump(mode="json")).trainer, field) == "on"
+    with pytest.raises(ConfigError, match=f"trainer.{field}: input should be 'auto', 'on' or 'off'"):
+        load_config("configs/tiny.yaml", [f"trainer.{field}=e4m3"])

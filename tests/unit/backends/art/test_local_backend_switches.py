@@ -1,7 +1,7 @@
 """LocalBackend (the engine and the trainer in one process, one copy of the base weights) with the trainer's day-one
-switches on: fold_lora_b moves weights into its own buffers, fp8_base quantizes copies, fused_rope patches the
-trainer's attention forwards. The engine must still serve the base model and then the trained adapter: the publish
-probe (the trainer's logprobs against the served ones) passes at each step."""
+switches on: fold_lora_b moves weights into its own buffers, group_qkv moves q's, k's and v's into one, fp8_base
+quantizes copies, fused_rope patches the trainer's attention forwards. The engine must still serve the base model and
+then the trained adapter: the publish probe (the trainer's logprobs against the served ones) passes at each step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from agents import TrainableModel, Trajectory, TrajectoryGroup, gather_trajectory_groups
 from backends.art.local_backend import LocalBackend
 
-SWITCHES = {"fold": {"fold_lora_b": "on"}, "fp8": {"fp8_base": "on"}}
+SWITCHES = {"fold": {"fold_lora_b": "on"}, "fp8": {"fp8_base": "on"}, "qkv": {"group_qkv": "on"}}
+# the trainer's count of what each switch changed
+BUILT = {"fold": "folded_lora_layers", "fp8": "fp8_lora_layers", "qkv": "grouped_qkv_layers"}
 
 
 async def _rollout(model, scenario: str) -> Trajectory:
@@ -38,13 +40,13 @@ def test_local_backend_trains_and_serves_with_the_switches_on(tmp_path, tiny_mod
                     (TrajectoryGroup(_rollout(model, s) for _ in range(3)) for s in ("2+2?", "a colour?")),
                     pbar_desc=None)
                 results.append(await backend.train(model, groups, learning_rate=1e-2))
-            built = (trainer_built.folded_lora_layers, trainer_built.fp8_lora_layers, trainer_built.fused_rope_layers)
+            built = (getattr(trainer_built, BUILT[switch]), trainer_built.fused_rope_layers)
             return results, await model.get_step(), built
         finally:
             backend.close()
 
-    results, step, (folded, fp8, rope) = asyncio.run(main())
-    assert rope > 0 and (folded if switch == "fold" else fp8) > 0  # the switches took effect in LocalBackend
+    results, step, (switched, rope) = asyncio.run(main())
+    assert rope > 0 and switched > 0  # the switches took effect in LocalBackend
     assert step == 2
     for result in results:
         assert result.metrics["publish/probe_max_abs_diff"] <= result.metrics["publish/probe_tolerance"]
