@@ -117,7 +117,7 @@ class StandInRunner:
     def warm_up(self) -> float:
         return 0.0
 
-    def prefill(self, tokens, lengths, slots, lora_rows, lora_slots):
+    def prefill(self, tokens, lengths, slots, lora_rows, lora_slots, single_slot=None, merged=False):
         padded = tokens.shape[0] * tokens.shape[1]
         seconds = self.timing.prefill_ms(padded) / 1000
         self.device.wait(self.device.enqueue(seconds))

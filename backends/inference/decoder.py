@@ -201,11 +201,13 @@ class DecoderRunner:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                lora_rows: torch.Tensor | None, lora_slots: int | None = None) -> torch.Tensor:
-        """tokens [n, T] (right-padded), lengths [n], slots [n], lora_rows [n] (-1: base) -> logits [n, V] float32."""
+                lora_rows: torch.Tensor | None, lora_slots: int | None = None, single_slot: int | None = None,
+                merged: bool = False) -> torch.Tensor:
+        """tokens [n, T] (right-padded), lengths [n], slots [n], lora_rows [n] (-1: base) -> logits [n, V] float32.
+        `single_slot` and `merged` as in `decode` (`merged`: the merged weights must already hold `single_slot`)."""
         n, T = tokens.shape
-        masks = None
-        if lora_rows is not None:
+        masks = single_slot
+        if single_slot is None and lora_rows is not None:
             masks = self.lora.row_masks(lora_rows.repeat_interleave(T), lora_slots)
         x = F.embedding(tokens, self.embed).view(n * T, -1)
         cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # [T, 1, D] against [n, T, H, D]
@@ -219,8 +221,8 @@ class DecoderRunner:
                                                    enable_gqa=self.num_heads != self.num_kv_heads)
                 return o.transpose(1, 2).reshape(n * T, self.num_heads * self.head_dim)
 
-            x, residual = self._layer(i, x, residual, self._operands(i, masks), cos, sin, attend,
-                                      LayerFunctions.EAGER, (n, T))
+            operands = self.merged.operands(i) if merged else self._operands(i, masks)
+            x, residual = self._layer(i, x, residual, operands, cos, sin, attend, LayerFunctions.EAGER, (n, T))
         last = (x + residual).view(n, T, -1)[torch.arange(n, device=x.device), lengths - 1]
         return self._logits(last)
 

@@ -218,14 +218,16 @@ class Engine:
         # them. Serially that is each step's device time plus its host work; overlapped, the device time of a step
         # hides behind the previous step's host work, so decode_seconds / decode_steps is the loop's period per step.
         # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
-        # merged_steps those that ran on merged weights (`merged_single_adapter`), merge_rebuilds and merge_seconds
+        # merged_steps those that ran on merged weights (`merged_single_adapter`; merged_prefills: prefills that did,
+        # their rows all on the adapter the merged weights held), merge_rebuilds and merge_seconds
         # the rebuilds of those weights and their host time (included in decode_seconds).
         # prefill_tokens: prompt tokens computed (a row shared in one admission counts once, a live row not at all);
         # shared_prefill_requests: requests whose first token came from a row computed for another request (of their
         # admission, or one a running sequence holds).
         self.stats = {"requests": 0, "prefill_tokens": 0, "prefills": 0, "shared_prefill_requests": 0,
-                      "decode_steps": 0, "single_slot_steps": 0, "merged_steps": 0, "merge_rebuilds": 0,
-                      "merge_seconds": 0.0, "generated_tokens": 0, "decode_seconds": 0.0, "warm_up_seconds": 0.0}
+                      "decode_steps": 0, "single_slot_steps": 0, "merged_steps": 0, "merged_prefills": 0,
+                      "merge_rebuilds": 0, "merge_seconds": 0.0, "generated_tokens": 0, "decode_seconds": 0.0,
+                      "warm_up_seconds": 0.0}
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque[_Request] = deque()
@@ -532,7 +534,19 @@ class Engine:
             lora_slots = max(r.lora_slot for r in heads) + 1
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in heads)
-        return self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots)
+        # rows all on one adapter: that slot alone, as a decode step reads it, or the merged weights, made to hold it
+        # (the rebuild the next merged decode step would make; admission drained any step in flight). Always the
+        # same path for the same rows, so a request's numbers do not depend on what ran before it
+        adapters = {r.lora_slot for r in heads}
+        one = adapters.pop() if len(adapters) == 1 and self.config.single_slot_lora else None
+        one = None if one is not None and one < 0 else one
+        merged = one is not None and self.runner.merged is not None
+        if merged:
+            self.runner.merged.hold(one)
+            self.stats["merge_rebuilds"] = self.runner.merged.rebuilds
+            self.stats["merge_seconds"] = self.runner.merged.seconds
+        self.stats["merged_prefills"] += merged
+        return self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots, one, merged)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill the admitted requests with one row per distinct (adapter, prompt) (`prompt_sharing`): rows that a

@@ -42,7 +42,8 @@ class EngineConfig(BaseModel):
     fuse_lora_a: bool | None = Field(None, description=(
         "Compute LoRA's A in the base matmul of each projection group (its columns appended to the weight; implies "
         "fuse_projections). One kernel fewer per group and layer in every LoRA step; copies the o/down weights "
-        "too. Default: on for CUDA (H200, 0.5B, rank 16: decode step 2.51 -> 2.08 ms at batch 1, same logprobs; benchmarks/results/engine-decode-h200.md)."))
+        "too. Default: on for CUDA (H200, 0.5B, rank 16: decode step 2.51 -> 2.08 ms at batch 1, same logprobs; "
+        "benchmarks/results/engine-decode-h200.md)."))
     compile_decode: bool | None = Field(None, description=(
         "torch.compile (Inductor) a decode step's per-layer pointwise work, inside the CUDA graph: fewer kernels "
         "per step. Compiles at engine start (seconds to a minute; cached on disk for the next start); runs eagerly "
@@ -59,8 +60,8 @@ class EngineConfig(BaseModel):
         "A decode step whose rows all use one adapter (a GRPO step: every row on the current policy) reads only that "
         "LoRA slot's columns: no per-row masks and no select (masked_fill_) per projection group, so 4 kernels fewer "
         "per layer plus the step's 4 mask kernels (~100 of ~664 per step on the 24-layer 0.5B shape); costs one more "
-        "CUDA graph per (batch, length) bucket and slot in use. Mixed steps (several adapters, or base rows) keep "
-        "the masked path. Same logprobs up to float rounding (the LoRA GEMMs sum over one slot's columns instead of "
+        "CUDA graph per (batch, length) bucket and slot in use. A prefill whose rows all use one adapter reads its "
+        "slot alone the same way. Mixed steps (several adapters, or base rows) keep the masked path. Same logprobs up to float rounding (the LoRA GEMMs sum over one slot's columns instead of "
         "all of them). H200, 0.5B, rank 16: 662 -> 562 kernels, 2.07 -> 1.91 ms at batch 1, 4.42 -> 4.04 ms at batch "
         "256, same logprobs (benchmarks/results/engine-decode-single-slot-h200.md)."))
     merged_single_adapter: bool = Field(False, description=(
@@ -73,8 +74,8 @@ class EngineConfig(BaseModel):
         "stats merge_rebuilds, merge_seconds); one more CUDA graph per bucket, whatever the slot. Costs the memory "
         "of the LoRA'd projections once more (all seven of every layer: 0.72 GB in bf16 for the 0.5B shape), and "
         "one rounding more: W' is rounded to the serving dtype where the LoRA path rounds x W and x A (float32: "
-        "logprobs within 1e-6 on tiny-random; bf16: within 0.016). Mixed steps, base rows and prefill keep the LoRA "
-        "paths; H200 bf16 at batch 1: logprobs up to 0.13 from the LoRA path's. Off by default: the copy is most of the "
-        "model's weights at any size."))
+        "logprobs within 1e-6 on tiny-random; bf16: within 0.016; the H200 at batch 1: up to 0.13). A prefill whose "
+        "rows all use one adapter runs on the copy too (rebuilt for it if need be), so a request's numbers do not "
+        "depend on what ran before it; mixed steps and base rows keep the LoRA paths. Off by default: the copy is most of the model's weights at any size."))
     adapter_cache_dir: str | None = Field(None, description=(
         "Where adapters fetched from storage URIs are copied (default: <trajflow cache>/adapters)."))

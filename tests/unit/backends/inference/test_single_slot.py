@@ -169,3 +169,21 @@ def test_one_slot_step_has_no_selects(engines, variant):
     torch.testing.assert_close(outs[None][1], outs[1][1], atol=1e-5, rtol=0)
     print(f"{variant}: ops per step masked {sum(masked.values())}, one slot {sum(one.values())}; "
           f"masked_fill_ {masked['masked_fill_']} -> {one['masked_fill_']}, {layers} layers")
+
+
+
+@pytest.mark.parametrize(("requests", "slot"), [(all_on("pol@1")[:1], 0), (all_mixed("two-adapters"), None)],
+                         ids=["one-adapter", "mixed"])
+async def test_a_one_adapter_prefill_reads_its_slot_alone(engines, monkeypatch, requests, slot):
+    """Prefill takes the one-slot path too (its rows' LoRA terms without per-row masks); a mixed prefill keeps them.
+    Same completions either way: the engines without one-slot steps give the masked path's."""
+    engine = engines["separate", True]
+    seen, real = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a: seen.append(a[5]) or real(*a))
+    place(engine, "pol@1")
+    seen.clear()
+    got = await run_all(engine, requests, stagger=False)
+    assert seen == [slot]
+    want = await run_all(engines["separate", False], requests, stagger=False)
+    for g, w in zip(got, want):
+        assert_alike(g, w)
