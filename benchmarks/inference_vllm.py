@@ -333,12 +333,20 @@ async def measure(system: str, base_url: str, loads: list[Load], vocab: int, see
 
 
 def parse_settings(text: str) -> dict[str, str]:
-    """'compile_decode=on,admission_wait_steps=0' -> {'compile_decode': 'on', ...} ('' -> the defaults)."""
+    """'compile_decode=on,admission_wait_steps=0' -> {'compile_decode': 'on', ...} ('' -> the defaults), values as
+    `trajflow serve --engine` reads them."""
     pairs = [item.partition("=") for item in text.split(",") if item.strip()]
     bad = [k for k, sep, _ in pairs if not sep or not k.strip()]
     if bad:
         raise ValueError(f"--embedded-config {text!r}: expected FIELD=VALUE,...")
     return {k.strip(): v.strip() for k, _, v in pairs}
+
+
+def chosen_settings(settings: dict[str, str] | None) -> dict[str, str]:
+    """The settings an in-process `EngineConfig` takes: those not left to their device default ('auto')."""
+    from backends.serving.cli import engine_value
+
+    return {k: v for k, v in (settings or {}).items() if engine_value(v) is not None}
 
 
 def label(settings: dict[str, str]) -> str:
@@ -353,8 +361,7 @@ def embedded_decode_step(folder: Path, adapter: Path, device: str, load: Load, m
 
     from backends.inference.engine import Engine, EngineConfig, SamplingParams
 
-    chosen = {k: v for k, v in (engine_settings or {}).items() if v.lower() not in ("auto", "none", "")}
-    config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, **chosen)
+    config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, **chosen_settings(engine_settings))
     engine = Engine.from_pretrained(str(folder), device=device, served_name=SERVED, config=config)
     try:
         engine.load_adapter(ADAPTER, str(adapter))

@@ -51,12 +51,13 @@ from benchmarks.engine_standin import StandInTiming, install
 from benchmarks.inference import hardware, random_lora, versions
 from benchmarks.inference_vllm import (
     ADAPTER,
-    parse_settings,
     SERVED,
     EmbeddedServer,
     Load,
+    chosen_settings,
     closed_loop,
     log_tail,
+    parse_settings,
     prompt_ids,
     quantiles,
 )
@@ -426,7 +427,8 @@ def main(argv=None) -> int:
         engine = Engine.from_pretrained(str(folder), served_name=SERVED,
                                         config=EngineConfig(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,
                                                             overlap_decode=None if args.overlap_decode is None
-                                                            else args.overlap_decode == "on", **settings))
+                                                            else args.overlap_decode == "on",
+                                                            **chosen_settings(settings)))
         install(engine, timing)
         try:
             engine.load_adapter(ADAPTER, str(adapter))

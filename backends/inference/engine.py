@@ -219,8 +219,8 @@ class Engine:
         # hides behind the previous step's host work, so decode_seconds / decode_steps is the loop's period per step.
         # single_slot_steps: decode steps that took the one-LoRA-slot path (`EngineConfig.single_slot_lora`);
         # merged_steps those that ran on merged weights (`merged_single_adapter`; merged_prefills: prefills that did,
-        # their rows all on the adapter the merged weights held), merge_rebuilds and merge_seconds
-        # the rebuilds of those weights and their host time (included in decode_seconds).
+        # their rows all on one adapter), merge_rebuilds and merge_seconds the rebuilds of those weights and their
+        # host time (a decode step's included in decode_seconds).
         # prefill_tokens: prompt tokens computed (a row shared in one admission counts once, a live row not at all);
         # shared_prefill_requests: requests whose first token came from a row computed for another request (of their
         # admission, or one a running sequence holds).
@@ -534,19 +534,15 @@ class Engine:
             lora_slots = max(r.lora_slot for r in heads) + 1
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in heads)
-        # rows all on one adapter: that slot alone, as a decode step reads it, or the merged weights, made to hold it
-        # (the rebuild the next merged decode step would make; admission drained any step in flight). Always the
+        # rows all on one adapter take a decode step's path: that slot alone, or the merged weights, made to hold it
+        # here (the rebuild the next merged decode step would make; admission drained any step in flight). Always the
         # same path for the same rows, so a request's numbers do not depend on what ran before it
-        adapters = {r.lora_slot for r in heads}
-        one = adapters.pop() if len(adapters) == 1 and self.config.single_slot_lora else None
-        one = None if one is not None and one < 0 else one
-        merged = one is not None and self.runner.merged is not None
+        single, merged = self._lora_path(self._one_slot([r.seqs[0] for r in heads]))
         if merged:
-            self.runner.merged.hold(one)
-            self.stats["merge_rebuilds"] = self.runner.merged.rebuilds
-            self.stats["merge_seconds"] = self.runner.merged.seconds
+            self.runner.merged.hold(single)
+            self._note_merges()
         self.stats["merged_prefills"] += merged
-        return self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots, one, merged)
+        return self.runner.prefill(tokens.to(dev), lengths, slots, lora_rows, lora_slots, single, merged)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill the admitted requests with one row per distinct (adapter, prompt) (`prompt_sharing`): rows that a
@@ -643,8 +639,7 @@ class Engine:
         lora_max = max(s.req.lora_slot for s in seqs)
         # One slot: every row the step computes for a sequence (a discarded extra row included) reads it. Rows of no
         # sequence (idle bucket rows, a slot between live ones) then get that slot's delta too: never read.
-        merged = one is not None and self.runner.merged is not None
-        single = one if merged or self.config.single_slot_lora else None
+        single, merged = self._lora_path(one)
         self.stats["single_slot_steps"] += single is not None and not merged
         self.stats["merged_steps"] += merged
         use_top_p = any(s.req.params.top_p < 1 for s in seqs)
@@ -654,13 +649,22 @@ class Engine:
                                     carry=prev.launched.out if lag else None, top_rows=[slots[i] for i in want],
                                     top_k=k, single_slot=single, merged=merged)
         if merged:
-            self.stats["merge_rebuilds"] = self.runner.merged.rebuilds
-            self.stats["merge_seconds"] = self.runner.merged.seconds
+            self._note_merges()
         self._steps += 1
         for s in seqs:
             s.launched = self._steps
         self.stats["decode_steps"] += 1
         return _Step(self._steps, seqs, launched, want, merged)
+
+    def _lora_path(self, one: int | None) -> tuple[int | None, bool]:
+        """(the LoRA slot a pass reads alone, or None; whether it runs on the merged weights) for rows all on slot
+        `one` (`_one_slot`; None: mixed or base rows)."""
+        merged = one is not None and self.runner.merged is not None
+        return (one if merged or self.config.single_slot_lora else None), merged
+
+    def _note_merges(self) -> None:
+        self.stats["merge_rebuilds"] = self.runner.merged.rebuilds
+        self.stats["merge_seconds"] = self.runner.merged.seconds
 
     @staticmethod
     def _one_slot(seqs: list[_Seq]) -> int | None:

@@ -103,6 +103,13 @@ def _check_device(device: str) -> None:
         raise UsageError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
 
 
+def engine_value(text: str) -> str | None:
+    """An `--engine FIELD=VALUE` value as `EngineConfig` takes it: 'auto' (or 'none', or nothing) leaves the field to
+    its device default (None); anything else goes to pydantic as written, which reads 'on'/'true', numbers..."""
+    text = text.strip()
+    return None if text.lower() in ("auto", "none", "") else text
+
+
 def _engine_config(args: argparse.Namespace):
     from pydantic import ValidationError
 
@@ -123,7 +130,7 @@ def _engine_config(args: argparse.Namespace):
             has_own = not flags[name].startswith("--engine")
             raise UsageError(f"--engine {item!r}: " + (f"{name} has its own flag, --{name.replace('_', '-')}"
                                                       if has_own else f"{name} is set twice ({flags[name]})"))
-        updates[name] = None if value.strip().lower() in ("auto", "none", "") else value.strip()
+        updates[name] = engine_value(value)
         flags[name] = f"--engine {item}"
     try:
         return EngineConfig(**{k: v for k, v in updates.items() if v is not None})

@@ -49,8 +49,8 @@ class EmbeddedServerProcess(ManagedServer):
         engine = [arg for name, value in self.engine.items() for arg in ("--engine", f"{name}={_flag(value)}")]
         return [*self.executable, "serve", "--model", self.model, "--served-name", self.served_name,
                 "--host", self.host, "--port", str(port), "--device", self.device,
-                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, *engine, "--quiet",
-                "--parent-pid", str(os.getpid())]
+                "--max-loras", str(self.max_loras), "--overlap-decode", self.overlap_decode, *roots, *engine,
+                "--quiet", "--parent-pid", str(os.getpid())]
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         env = dict(base)
