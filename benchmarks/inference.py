@@ -186,11 +186,16 @@ def hardware(device: str) -> dict:
 
 
 def graph_step_times(engine, length: int, lora: bool) -> dict:
-    """CUDA-event time of one captured decode step at batch 1 and the largest bucket (engine idle)."""
+    """CUDA-event time of one captured decode step at batch 1 and the largest bucket (engine idle). With `lora`
+    every row is on LoRA slot 0 and the step takes the path the engine takes for such a batch (`Engine._lora_path`:
+    the slot alone with ``single_slot_lora``, the merged weights with ``merged_single_adapter``)."""
     import torch
 
     out = {}
     step = engine.step
+    single, merged = engine._lora_path(0) if lora else (None, False)
+    if merged:
+        engine.runner.merged.hold(0)
     for batch in (1, engine.max_batch):
         host = step.host.numpy()
         host[:] = 0
@@ -198,13 +203,13 @@ def graph_step_times(engine, length: int, lora: bool) -> dict:
         host[3, :] = 1
         host[4, :] = 1
         for _ in range(3):
-            step.run(batch, length, lora, False)
+            step.run(batch, length, lora, False, single_slot=single, merged=merged)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         reps = 50
         start.record()
         for _ in range(reps):
             step.dev.copy_(step.host, non_blocking=True)
-            graph = step._graphs[(batch, length, lora, False, None, False)][0]
+            graph = step._graphs[(batch, length, lora, False, single, merged)][0]
             graph.replay()
         end.record()
         torch.cuda.synchronize()
