@@ -274,9 +274,11 @@ class TrainerConfig(BaseModel):
         "rstd instead of its output `n = w * (x * rstd)`, and recompute n in backward with the forward's kernel "
         "(`backends/training/kernels/recompute_norm.py`): two [tokens, hidden] tensors per decoder layer less "
         "(a folded op keeps its rank-sized z instead of `[n | z]`), for one elementwise pass per op's backward. "
-        "Loss and gradients identical to 'off' (the same bits). Qwen2.5-1.5B shape, bf16: 6,144 bytes per token and "
-        "layer less, 172 KB per token over 28 layers (benchmarks/results/norm-recompute-cpu.md); its H200 tokens/s "
-        "is not yet measured. 'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA).",
+        "Loss and gradients identical to 'off' (the same bits on the CPU; on CUDA the norm's compiled formula again, "
+        "not yet compared there). Qwen2.5-1.5B shape, bf16, counted on the CPU: 6,144 "
+        "bytes per token and layer less (61,624 -> 55,480), 172 KB per token over 28 layers, ~3.9 GiB at 24k-token "
+        "micro-batches (benchmarks/results/norm-recompute-cpu.md); its H200 tokens/s and peak "
+        "are not yet measured. 'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA).",
     )
     compile_logprobs: Switch = Field(
         default="auto",

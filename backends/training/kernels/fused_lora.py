@@ -20,7 +20,8 @@ A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL
 masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``). A module
 whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead; one whose
 base weight was quantized (``fp8_base``) takes x W^T and g W as FP8 GEMMs inside the trainer's training scope, the
-LoRA terms unchanged (never both: fp8 modules are not folded).
+LoRA terms unchanged (never both: fp8 modules are not folded). Where x is a marked RMSNorm output (``recompute_norm``)
+the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z], and recomputes x in backward.
 """
 
 from __future__ import annotations

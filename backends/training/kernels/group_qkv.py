@@ -12,7 +12,8 @@ r_v columns (``fold_lora_b``'s extended weight, stacked):
                dA_i = dz_i^T x,   dB_i = s_i g_i^T z_i
 
 q, k and v are column blocks of one [T, out_q + out_k + out_v] output (views, no copy); the saved activation is xz,
-the bytes of x and the three z's. Counted on the CPU (tests/unit/backends/training/test_group_qkv.py), with the casts
+the bytes of x and the three z's (z alone where x is a marked RMSNorm output: ``recompute_norm``). Counted on the
+CPU (tests/unit/backends/training/test_group_qkv.py), with the casts
 cached and the LoRA grads added into the masters (the CUDA defaults): q, k and v take 4 computing aten ops forward
 instead of 9 and 9 backward instead of 17 (one cat of g, g W_qkv, dz A_cat, three dA and three dB, against three
 modules' g (sB), g W, gz A, dA, dB and autograd's two adds of their dx); a Qwen2 attention layer with fused_rope, 41

@@ -32,6 +32,9 @@ xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the sam
 outputs, and in backward dL/dx with both dL/dz's, one product per projection; down folded alone works the same on h.
 A projection not folded whose base weight was quantized (``fp8_base``) takes its x W^T and g W as FP8 GEMMs inside
 the trainer's training scope, its LoRA terms unchanged.
+
+With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
+fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
 """
 
 from __future__ import annotations
