@@ -119,3 +119,20 @@ def test_the_switch_acts_only_with_its_ops_and_is_baked_in(tiny_model_path):
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**CFG, recompute_norm="on"))
     with pytest.raises(ValueError, match="recompute_norm"):
         trainer.update_config(recompute_norm="off")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on CUDA")
+@pytest.mark.parametrize("tokens", [1, 777, 16384])
+def test_the_compiled_recompute_gives_the_compiled_forwards_bits(tokens):
+    """On CUDA the norm's forward is one compiled kernel (rstd, then n by it) and the recompute another (n from the
+    saved rstd): their n must be the same bits, or the gradients would drift from the switch off's."""
+    from backends.training.kernels.lean_ops import _norm
+    from backends.training.kernels.torch_compile import failure, kernel
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(1, tokens, 1536, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    w = torch.randn(1536, device="cuda", dtype=torch.bfloat16, generator=g)
+    n, rstd = kernel(_norm, True)(x, w, 1e-6)
+    again = kernel(recompute_norm.normalized, True)(x, w, rstd)
+    assert failure() is None and torch.equal(again, n)
+
