@@ -68,6 +68,13 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 6 --steady-steps 2 --profile-steps 4 --runs $RUNS \\
         --out $OUT/training-fresh-group-qkv-h200.json
 
+    # the norm outputs no longer kept for backward (trainer.recompute_norm, defaults) against kept, at 16k and 24k
+    # tokens per micro-batch, then 20k, and 24k with group_qkv: which reaches the most tokens/s at <= 40 GiB peak?
+    RUNS=norm-off+warm-up:cold-cache,defaults+warm-up:cold-cache,mb24k-norm-off+warm-up:cold-cache
+    RUNS=$RUNS,mb24k+warm-up:cold-cache,mb20k+warm-up:cold-cache,mb24k-group-qkv+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 5 --steady-steps 2 --runs $RUNS \\
+        --out $OUT/training-fresh-norm-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -104,6 +111,11 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # the defaults with fewer, larger micro-batches (fewer launches per token; more activation memory: <= 40 GiB?)
     "mb24k+warm-up": {"micro_batch_tokens": 24576},
     "mb32k+warm-up": {"micro_batch_tokens": 32768},
+    "mb20k+warm-up": {"micro_batch_tokens": 20480},
+    # the fused ops keeping each norm's output again for backward (recompute_norm is on by default on CUDA)
+    "norm-off+warm-up": {"recompute_norm": "off"},
+    "mb24k-norm-off+warm-up": {"micro_batch_tokens": 24576, "recompute_norm": "off"},
+    "mb24k-group-qkv+warm-up": {"micro_batch_tokens": 24576, "group_qkv": "on"},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
     # (both on by default on CUDA), together and one at a time
     "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
@@ -273,6 +285,7 @@ def child(args) -> None:
     fp8_gap = fp8_logprob_gap(trainer, data[0], max_len) if trainer.fp8 is not None else None
     out = {"config": args.config, "settings": settings, "attention": trainer.attention_path, "fp8_logprob_gap": fp8_gap,
            "fp8_lora_layers": trainer.fp8_lora_layers, "grouped_qkv_layers": trainer.grouped_qkv_layers,
+           "recompute_norm": trainer.recompute_norm,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
@@ -305,6 +318,7 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "folded_lora_layers": run.get("folded_lora_layers"),
         "fp8_lora_layers": run.get("fp8_lora_layers"),
         "grouped_qkv_layers": run.get("grouped_qkv_layers"),
+        "recompute_norm": run.get("recompute_norm"),
         # fp8 runs: |logprob fp8 - bf16| over step 0's trained tokens, measured once after the steps (no grad)
         "fp8_logprob_gap": run.get("fp8_logprob_gap"),
         "attention_paths_steady": [x.get("attention_paths") for x in window],

@@ -267,6 +267,19 @@ class TrainerConfig(BaseModel):
         "(`benchmarks/results/training-h200.md`, run `fp8+warm-up`): 35.8k against the defaults' 43.8k tokens/s, "
         "33.0 GiB, trained tokens' logprobs 0.23 from bf16 on average: slower and inexact there.",
     )
+    recompute_norm: Switch = Field(
+        default="auto",
+        description="With memory_efficient_ops and fused_lora: the fused LoRA ops that read an RMSNorm's output "
+        "(q, k, v after input_layernorm, the MLP after post_attention_layernorm) keep the norm's own input x and "
+        "rstd instead of its output `n = w * (x * rstd)`, and recompute n in backward with the forward's kernel "
+        "(`backends/training/kernels/recompute_norm.py`): two [tokens, hidden] tensors per decoder layer less "
+        "(a folded op keeps its rank-sized z instead of `[n | z]`), for one elementwise pass per op's backward. "
+        "Loss and gradients identical to 'off' (the same bits on the CPU; on CUDA the norm's compiled formula again, "
+        "not yet compared there). Qwen2.5-1.5B shape, bf16, counted on the CPU: 6,144 "
+        "bytes per token and layer less (61,624 -> 55,480), 172 KB per token over 28 layers, ~3.9 GiB at 24k-token "
+        "micro-batches (benchmarks/results/norm-recompute-cpu.md); its H200 tokens/s and peak "
+        "are not yet measured. 'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA).",
+    )
     compile_logprobs: Switch = Field(
         default="auto",
         description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
@@ -353,7 +366,7 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads", "fold_lora_b", "group_qkv", "fp8_base", "fused_rope")
+        "accumulate_lora_grads", "fold_lora_b", "group_qkv", "fp8_base", "fused_rope", "recompute_norm")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -377,8 +390,12 @@ class TrainerConfig(BaseModel):
         """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b acts only
         with fused_lora too, its 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv only with fused_lora,
-        and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base."""
+        and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base; recompute_norm only with
+        memory_efficient_ops and fused_lora, its 'auto' on CUDA."""
         mode = getattr(self, switch)
+        if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)
+                                               and self.enabled("fused_lora", on_cuda)):
+            return False
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"
         if switch in ("fp8_base", "group_qkv"):

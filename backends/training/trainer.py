@@ -32,7 +32,8 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
-LoRA's B product into the base product (``fold_lora_b``). Opt-in, an attention layer's q, k and v run as one LoRA
+LoRA's B product into the base product (``fold_lora_b``), and keep an RMSNorm's inputs instead of its output
+where they read it (``recompute_norm``). Opt-in, an attention layer's q, k and v run as one LoRA
 product (``group_qkv``), and the frozen base products of the training forward and backward run as FP8 GEMMs
 (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
 warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
@@ -211,8 +212,10 @@ class GRPOTrainer:
         # where the quantized base weights run in FP8: the training micro-batches' scope (fp8_scope) only
         self.fp8 = self._fp8_scope(config, fused and peft_path)
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8)
-        self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime)
-                            if lean and peft_path else {})
+        # the fused ops that read a norm's output keep the norm's inputs instead (recompute_norm)
+        self.recompute_norm = peft_path and config.enabled("recompute_norm", on_cuda)
+        self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,
+                                        recompute_norm=self.recompute_norm) if lean and peft_path else {})
         self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)
                                   if peft_path and fused_rope.enabled(config.fused_rope, lean) else 0)
         self.fused_lora_layers = patch_lora(self.model, runtime) if fused and peft_path else 0

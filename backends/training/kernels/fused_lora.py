@@ -20,7 +20,8 @@ A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL
 masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``). A module
 whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead; one whose
 base weight was quantized (``fp8_base``) takes x W^T and g W as FP8 GEMMs inside the trainer's training scope, the
-LoRA terms unchanged (never both: fp8 modules are not folded).
+LoRA terms unchanged (never both: fp8 modules are not folded). Where x is a marked RMSNorm output (``recompute_norm``)
+the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z], and recomputes x in backward.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from backends.training.kernels.fold_lora_b import (
 from backends.training.kernels.fp8_base import Fp8Scope, Fp8Use, Fp8Weight, base_input_grad, base_product, fp8_of
 from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
 from backends.training.kernels.lora_grad_accumulation import accumulate
+from backends.training.kernels.recompute_norm import keep, restore, restore_folded, source_of
 
 
 @dataclass
@@ -125,25 +127,32 @@ class _LoraLinear(torch.autograd.Function):
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
             ctx.folded = runs_folded([fold], [weight], [sb])
             ctx.fp8 = None if ctx.folded else runtime.fp8_use(fp8, weight, dtype)
+            source = source_of(x)  # x is a norm's output: its inputs stand for x2 (recompute_norm)
             if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
-                xz, _ = fold_input(x2, a)
+                xz, z = fold_input(x2, a)
                 y = folded_product(xz, fold.extended(sb), b)
-                x2, w, z = xz, fold.buffer, None
+                w = fold.buffer
+                x2, z = (xz, None) if source is None else (x2, z)
+                del xz
             else:
                 y, z = lora_forward(x2, w, b, a, sb, ctx.fp8)
-        ctx.save_for_backward(x2, w, a, sb, z)
+        ctx.save_for_backward(*keep(x2, source), w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
+        ctx.norm_compile = source is not None and source.compile
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters, ctx.into_masters = (lora_a, lora_b), runtime.grads_into_masters
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x2, w, a, sb, z = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
+        saved = ctx.saved_tensors
+        kept, (w, a, sb, z) = saved[:3], saved[3:]
+        g = grad.reshape(-1, grad.shape[-1]).to(a.dtype)
         if ctx.folded:
-            grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, w, a, sb)
+            x2, z = restore_folded(kept, z, w.shape[1] - a.shape[0], a.dtype, ctx.norm_compile)
+            grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, z, w, a, sb)
         else:
+            x2 = restore(kept, a.dtype, ctx.norm_compile)
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
                                                    needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8)
@@ -152,14 +161,13 @@ class _LoraLinear(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 
-def _folded_backward(ctx, g, xz, w_ext, a, sb):
+def _folded_backward(ctx, g, x2, z, w_ext, a, sb):
     """(dL/dx, dL/dA, dL/dB) of a module folded alone: [dx_base | gz] = g W_ext, dx = dx_base + gz A."""
-    n = w_ext.shape[1] - a.shape[0]
     if ctx.needs_input_grad[0]:
-        grad_x, gz = folded_input_grad([g], [w_ext], n, a)
+        grad_x, gz = folded_input_grad([g], [w_ext], x2.shape[1], a)
     else:
         grad_x, gz = None, g @ sb
-    return (grad_x, *lora_param_grads(g, gz, xz[:, :n], xz[:, n:], ctx.scaling, ctx.masters, ctx.into_masters,
+    return (grad_x, *lora_param_grads(g, gz, x2, z, ctx.scaling, ctx.masters, ctx.into_masters,
                                       ctx.needs_input_grad[3:5]))
 
 

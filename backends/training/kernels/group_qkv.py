@@ -12,7 +12,8 @@ r_v columns (``fold_lora_b``'s extended weight, stacked):
                dA_i = dz_i^T x,   dB_i = s_i g_i^T z_i
 
 q, k and v are column blocks of one [T, out_q + out_k + out_v] output (views, no copy); the saved activation is xz,
-the bytes of x and the three z's. Counted on the CPU (tests/unit/backends/training/test_group_qkv.py), with the casts
+the bytes of x and the three z's (z alone where x is a marked RMSNorm output: ``recompute_norm``). Counted on the
+CPU (tests/unit/backends/training/test_group_qkv.py), with the casts
 cached and the LoRA grads added into the masters (the CUDA defaults): q, k and v take 4 computing aten ops forward
 instead of 9 and 9 backward instead of 17 (one cat of g, g W_qkv, dz A_cat, three dA and three dB, against three
 modules' g (sB), g W, gz A, dA, dB and autograd's two adds of their dx); a Qwen2 attention layer with fused_rope, 41
@@ -76,6 +77,7 @@ from backends.training.kernels.fused_lora import (
     lora_param_grads,
 )
 from backends.training.kernels.lora_cast_cache import lora_casts
+from backends.training.kernels.recompute_norm import keep, restore_folded, source_of
 
 # attention classes whose forward calls q_proj, k_proj and v_proj, in that order, on one hidden_states
 ATTENTION = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
@@ -150,11 +152,14 @@ class _QkvLora(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             a_cat = torch.cat([a for a, _ in casts])
-            xz, _ = fold_input(x2, a_cat)
+            xz, z = fold_input(x2, a_cat)
             for fold, (_, sb) in zip(group.folds, casts):
                 fold.extended(sb)
             y = folded_product(xz, group.weight, None if group.bias is None else group.bias.to(dtype))
-        ctx.save_for_backward(xz, group.weight, a_cat)
+            source = source_of(x)  # x is a norm's output: its inputs and z stand for xz (recompute_norm)
+            xz, z = (xz, None) if source is None else (x2, z)
+        ctx.save_for_backward(*keep(xz, source), z, group.weight, a_cat)
+        ctx.norm_compile = source is not None and source.compile
         ctx.outs, ctx.ranks, ctx.scalings = group.outs, [a.shape[0] for a, _ in casts], scalings
         ctx.masters, ctx.into_masters = masters, runtime.grads_into_masters
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -162,11 +167,13 @@ class _QkvLora(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        xz, w, a_cat = ctx.saved_tensors
-        t = xz.shape[0]
-        g = torch.cat([xz.new_zeros(t, o) if g_i is None else g_i.reshape(t, o).to(xz.dtype)
-                       for g_i, o in zip(grads, ctx.outs)], dim=1)
+        saved = ctx.saved_tensors
+        kept, (z, w, a_cat) = saved[:3], saved[3:]
         n = w.shape[1] - a_cat.shape[0]
+        x2, z = restore_folded(kept, z, n, a_cat.dtype, ctx.norm_compile)
+        t = x2.shape[0]
+        g = torch.cat([x2.new_zeros(t, o) if g_i is None else g_i.reshape(t, o).to(x2.dtype)
+                       for g_i, o in zip(grads, ctx.outs)], dim=1)
         if ctx.needs_input_grad[0]:
             grad_x, dz = folded_input_grad([g], [w], n, a_cat)
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
@@ -174,7 +181,7 @@ class _QkvLora(torch.autograd.Function):
             grad_x, dz = None, g @ w[:, n:]
         param_grads, o, r = [], 0, 0
         for i, (out, rank, scaling) in enumerate(zip(ctx.outs, ctx.ranks, ctx.scalings)):
-            param_grads += lora_param_grads(g[:, o:o + out], dz[:, r:r + rank], xz[:, :n], xz[:, n + r:n + r + rank],
+            param_grads += lora_param_grads(g[:, o:o + out], dz[:, r:r + rank], x2, z[:, r:r + rank],
                                             scaling, ctx.masters[2 * i:2 * i + 2], ctx.into_masters,
                                             ctx.needs_input_grad[6 + 2 * i:8 + 2 * i])
             o, r = o + out, r + rank

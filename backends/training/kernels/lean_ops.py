@@ -32,6 +32,9 @@ xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the sam
 outputs, and in backward dL/dx with both dL/dz's, one product per projection; down folded alone works the same on h.
 A projection not folded whose base weight was quantized (``fp8_base``) takes its x W^T and g W as FP8 GEMMs inside
 the trainer's training scope, its LoRA terms unchanged.
+
+With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
+fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ from backends.training.kernels.fused_lora import (
     lora_param_grads,
 )
 from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
+from backends.training.kernels.recompute_norm import (NormSource, keep, mark, normalized, restore, restore_folded,
+                                                      source_of)
 from backends.training.kernels.torch_compile import kernel
 
 
 def _norm(x, weight, eps: float):
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (xf * rstd).to(x.dtype), rstd
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return normalized(x, weight, rstd), rstd
 
 
 def _norm_grad(grad, x, weight, rstd):
@@ -84,15 +88,21 @@ def _silu_mul_grads_and_value(grad, gate, up):
 
 
 class _RMSNorm(torch.autograd.Function):
+    """(y, rstd): rstd is returned (no gradient) for ``recompute_norm.mark``; it is the tensor the backward keeps."""
+
     @staticmethod
     def forward(ctx, x, weight, eps: float, compile: bool):
         y, rstd = kernel(_norm, compile)(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)
         ctx.compile = compile
-        return y
+        return y, rstd
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
+        if grad is None:
+            return None, None, None, None
         x, weight, rstd = ctx.saved_tensors
         grad_w = None
         if ctx.needs_input_grad[1]:
@@ -132,12 +142,16 @@ class _LoraSwiGLU(torch.autograd.Function):
             ctx.fp8 = gate_fp8, up_fp8, down_fp8 = [
                 None if folded else runtime.fp8_use(f, w, dtype)
                 for folded, f, w in zip((ctx.fold_pair, ctx.fold_pair, ctx.fold_down), fp8s, (gate_w, up_w, down_w))]
-            a_pair = None
+            a_pair = z_pair = None
+            source = source_of(x)
             if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
                 a_pair = torch.cat([ga, ua])
-                x2, _ = fold_input(x2, a_pair)
+                xz, z_pair = fold_input(x2, a_pair)
                 gw, uw = gate_fold.extended(gsb), up_fold.extended(usb)
-                g, u, z_gate, z_up = folded_product(x2, gw), folded_product(x2, uw), None, None
+                g, u, z_gate, z_up = folded_product(xz, gw), folded_product(xz, uw), None, None
+                # the norm's inputs and z_pair stand for xz where x is a norm's output (recompute_norm)
+                x2, z_pair = (xz, None) if source is None else (x2, z_pair)
+                del xz
             else:
                 g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8)
                 u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8)
@@ -149,8 +163,10 @@ class _LoraSwiGLU(torch.autograd.Function):
                 del hz
             else:
                 y, z_down = lora_forward(h, dw, None, da, dsb, down_fp8)
-        ctx.save_for_backward(x2, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da, dsb, a_pair)
+        ctx.save_for_backward(*keep(x2, source), z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da,
+                              dsb, a_pair)
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
+        ctx.norm_compile = source is not None and source.compile
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters = ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))
         ctx.into_masters = runtime.grads_into_masters
@@ -158,11 +174,11 @@ class _LoraSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x2, g, u, z_gate, z_up, z_down, *weights, a_pair = ctx.saved_tensors
-        (gw, ga, gsb), (uw, ua, usb), (dw, da, dsb) = weights[0:3], weights[3:6], weights[6:9]
+        saved = ctx.saved_tensors
+        kept, (z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da, dsb, a_pair) = saved[:3], saved[3:]
         s_gate, s_up, s_down = ctx.scalings
         gate_fp8, up_fp8, down_fp8 = ctx.fp8
-        dy = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)
+        dy = grad.reshape(-1, grad.shape[-1]).to(g.dtype)
         if ctx.fold_down:
             dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
         else:
@@ -175,14 +191,16 @@ class _LoraSwiGLU(torch.autograd.Function):
         del h
         grad_x = None
         if ctx.fold_pair:
-            n, r_gate = x2.shape[1] - a_pair.shape[0], ga.shape[0]
-            x2, z_gate, z_up = x2[:, :n], x2[:, n:n + r_gate], x2[:, n + r_gate:]
+            n, r_gate = gw.shape[1] - a_pair.shape[0], ga.shape[0]
+            x2, z_pair = restore_folded(kept, z_pair, n, g.dtype, ctx.norm_compile)
+            z_gate, z_up = z_pair[:, :r_gate], z_pair[:, r_gate:]
             if needs[0]:
                 grad_x, gz_pair = folded_input_grad([grad_g, grad_u], [gw, uw], n, a_pair)
                 gz_gate, gz_up = gz_pair[:, :r_gate], gz_pair[:, r_gate:]
             else:
                 gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
         else:
+            x2 = restore(kept, g.dtype, ctx.norm_compile)
             gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
             if needs[0]:
                 grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8)
@@ -196,7 +214,7 @@ class _LoraSwiGLU(torch.autograd.Function):
 
 
 def rms_norm(x, weight, eps, compile: bool = False):
-    return _RMSNorm.apply(x, weight, eps, compile)
+    return _RMSNorm.apply(x, weight, eps, compile)[0]
 
 
 def silu_mul(gate, up, compile: bool = False):
@@ -212,7 +230,10 @@ def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: L
 
 
 def _norm_forward(self, hidden_states):
-    return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, self._trajflow_compile)
+    y, rstd = _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, self._trajflow_compile)
+    if self._trajflow_recompute_norm:
+        mark(y, NormSource(hidden_states, self.weight, rstd, self._trajflow_compile))
+    return y
 
 
 def _mlp_forward(self, x):
@@ -229,17 +250,19 @@ def _is_silu(act) -> bool:
 
 
 def patch_model(model, compile: bool = False, fuse_lora: bool = False,
-                runtime: LoraRuntime = PLAIN) -> dict[str, int]:
+                runtime: LoraRuntime = PLAIN, recompute_norm: bool = False) -> dict[str, int]:
     """Swap the forward of matching RMSNorm and SwiGLU-MLP modules in place; returns how many of each.
 
     ``compile``: elementwise math through torch.compile. ``fuse_lora``: MLPs whose projections are
     fusable LoRA run as one ``_LoraSwiGLU`` op, with ``runtime``'s cast cache and gradient accumulation.
+    ``recompute_norm``: each norm marks its output so the fused ops that read it keep the norm's inputs instead
+    (``recompute_norm``).
     """
     counts = {"rms_norm": 0, "swiglu": 0}
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm") and hasattr(module, "weight") and hasattr(module, "variance_epsilon"):
-            module._trajflow_compile = compile
+            module._trajflow_compile, module._trajflow_recompute_norm = compile, recompute_norm
             module.forward = types.MethodType(_norm_forward, module)
             counts["rms_norm"] += 1
         elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) and _is_silu(

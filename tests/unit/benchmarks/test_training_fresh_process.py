@@ -18,6 +18,16 @@ def test_the_opt_in_runs_turn_their_switch_on_and_nothing_else(run, switch):
     TrainerConfig(**CONFIGS[run])
 
 
+@pytest.mark.parametrize("run", ["norm-off+warm-up", "mb24k-norm-off+warm-up", "mb24k-group-qkv+warm-up",
+                                 "mb20k+warm-up", "mb24k+warm-up"])
+def test_the_micro_batch_and_norm_runs_differ_from_the_defaults_in_their_names_only(run):
+    expected = {"micro_batch_tokens": {"mb20k": 20480, "mb24k": 24576}[run[:5]]} if run.startswith("mb") else {}
+    expected |= {"recompute_norm": "off"} if "norm-off" in run else {}
+    expected |= {"group_qkv": "on"} if "group-qkv" in run else {}
+    assert CONFIGS[run] == expected
+    TrainerConfig(**CONFIGS[run])
+
+
 def test_the_gap_compares_the_fp8_forward_with_the_bf16_one_on_the_same_rows(tiny_model_path):
     groups = [synthetic_group([0.0, 1.0, 0.5]), synthetic_group([2.0, 0.0])]
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(fused_lora="on", fp8_base="on", micro_batch_tokens=16))
