@@ -274,11 +274,13 @@ class TrainerConfig(BaseModel):
         "rstd instead of its output `n = w * (x * rstd)`, and recompute n in backward with the forward's kernel "
         "(`backends/training/kernels/recompute_norm.py`): two [tokens, hidden] tensors per decoder layer less "
         "(a folded op keeps its rank-sized z instead of `[n | z]`), for one elementwise pass per op's backward. "
-        "Loss and gradients identical to 'off' (the same bits on the CPU; on CUDA the norm's compiled formula again, "
-        "not yet compared there). Qwen2.5-1.5B shape, bf16, counted on the CPU: 6,144 "
-        "bytes per token and layer less (61,624 -> 55,480), 172 KB per token over 28 layers, ~3.9 GiB at 24k-token "
-        "micro-batches (benchmarks/results/norm-recompute-cpu.md); its H200 tokens/s and peak "
-        "are not yet measured. 'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA).",
+        "Loss and gradients identical to 'off' (the same bits, compared on the CPU and on an H200). Qwen2.5-1.5B "
+        "shape, bf16: 6,144 bytes per token and layer less (counted on the CPU: 61,624 -> 55,480; "
+        "benchmarks/results/norm-recompute-cpu.md); on the H200 the peak of 16k-token micro-batches 30.2 -> 27.6 GiB "
+        "for 2.3% of tokens/s (44,106 vs 45,132 steady, same call), and 24k-token micro-batches fit in 39.0 GiB "
+        "(42.9 off) at 46,136 tokens/s steady, 45,873 first in process (benchmarks/results/training-h200.md). "
+        "'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA); never with fp8_base (its steps were "
+        "not the same bits on the H200).",
     )
     compile_logprobs: Switch = Field(
         default="auto",
@@ -391,10 +393,11 @@ class TrainerConfig(BaseModel):
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b acts only
         with fused_lora too, its 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv only with fused_lora,
         and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base; recompute_norm only with
-        memory_efficient_ops and fused_lora, its 'auto' on CUDA."""
+        memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
         mode = getattr(self, switch)
         if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)
-                                               and self.enabled("fused_lora", on_cuda)):
+                                               and self.enabled("fused_lora", on_cuda)
+                                               and not self.enabled("fp8_base", on_cuda)):
             return False
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"

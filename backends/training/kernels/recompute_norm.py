@@ -10,8 +10,8 @@ more [T, hidden] tensor per norm, ~10% of a layer's saved activations at the Qwe
 token and layer in bf16). With this on they keep (x, w, rstd), the very tensors the norm keeps (no new storage),
 and recompute n in their backward with the forward's own elementwise formula (``normalized``, compiled on CUDA like
 the norm, whose kernel computes rstd and then n by it): the same bits, so the loss and every gradient are identical
-to the option off (compared with ``torch.equal`` on the CPU, eager; on CUDA the compiled recompute is not yet compared
-with the compiled forward). The price is one elementwise pass over [T, hidden] per op's backward (reading x, writing
+to the option off (compared with ``torch.equal`` on the CPU, eager, and on an H200, compiled; there fp8_base's
+steps were not, so the two never run together). The price is one elementwise pass over [T, hidden] per op's backward (reading x, writing
 n): per layer four with q, k, v as three ops, two with group_qkv. Counted at the Qwen2.5-1.5B shape (bf16, CUDA
 defaults): 61,624 -> 55,480 bytes per token and layer (``benchmarks/results/norm-recompute-cpu.md``).
 

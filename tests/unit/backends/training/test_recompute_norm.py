@@ -45,7 +45,6 @@ COMPOSITIONS = {  # name: settings on top of CFG
     "group-qkv": dict(group_qkv="on", fold_lora_b="on"),
     "checkpointed-grads-to-autograd": dict(gradient_checkpointing=True, checkpoint_layer_fraction=0.5,
                                            accumulate_lora_grads="off", cache_lora_casts="off"),
-    "fp8-base": dict(fp8_base="on"),
 }
 
 
@@ -53,11 +52,6 @@ COMPOSITIONS = {  # name: settings on top of CFG
 @pytest.mark.parametrize("composition", list(COMPOSITIONS))
 def test_trainer_steps_are_identical_to_the_switch_off(tiny_model_path, monkeypatch, composition, dtype):
     cfg = dict(CFG, dtype=dtype, **COMPOSITIONS[composition])
-    if composition == "fp8-base":
-        from backends.training.kernels.fp8_base import available
-
-        if available(torch.device("cpu")) is not None:
-            pytest.skip(available(torch.device("cpu")))
     restores = _count_restores(monkeypatch)
     off = _run(tiny_model_path, recompute_norm="off", **cfg)
     assert restores[0] == 0
@@ -116,6 +110,8 @@ def test_the_switch_acts_only_with_its_ops_and_is_baked_in(tiny_model_path):
     assert not TrainerConfig(fused_lora="off", recompute_norm="on").enabled("recompute_norm", True)
     assert not TrainerConfig(memory_efficient_ops="off", recompute_norm="on").enabled("recompute_norm", True)
     assert not TrainerConfig(recompute_norm="off").enabled("recompute_norm", True)
+    # fp8_base's steps with it on were not the same bits as off on an H200 (the CPU's were): never together
+    assert not TrainerConfig(fp8_base="on", recompute_norm="on").enabled("recompute_norm", True)
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**CFG, recompute_norm="on"))
     with pytest.raises(ValueError, match="recompute_norm"):
         trainer.update_config(recompute_norm="off")
