@@ -273,12 +273,13 @@ class TrainerConfig(BaseModel):
         "(q, k, v after input_layernorm, the MLP after post_attention_layernorm) keep the norm's own input x and "
         "rstd instead of its output `n = w * (x * rstd)`, and recompute n in backward with the forward's kernel "
         "(`backends/training/kernels/recompute_norm.py`): two [tokens, hidden] tensors per decoder layer less "
-        "(a folded op keeps its rank-sized z instead of `[n | z]`), for one elementwise pass per op's backward. "
+        "(a folded op keeps its rank-sized z instead of `[n | z]`), for one elementwise pass per norm in backward (its "
+        "readers share it). "
         "Loss and gradients identical to 'off' (the same bits, compared on the CPU and on an H200). Qwen2.5-1.5B "
         "shape, bf16: 6,144 bytes per token and layer less (counted on the CPU: 61,624 -> 55,480; "
         "benchmarks/results/norm-recompute-cpu.md); on the H200 the peak of 16k-token micro-batches 30.2 -> 27.6 GiB "
-        "for 2.3% of tokens/s (44,106 vs 45,132 steady, same call), and 24k-token micro-batches fit in 39.0 GiB "
-        "(42.9 off) at 46,136 tokens/s steady, 45,873 first in process (benchmarks/results/training-h200.md). "
+        "for 2.3% of tokens/s (44,106 vs 45,132 steady, same call; then one pass per reading op, four a layer), "
+        "and 24k-token micro-batches fit in 39.0 GiB (42.9 off) at 46,136 tokens/s steady, 45,873 first in process (benchmarks/results/training-h200.md). "
         "'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA); never with fp8_base (its steps were "
         "not the same bits on the H200).",
     )

@@ -42,7 +42,7 @@ from backends.training.kernels.fold_lora_b import (
 from backends.training.kernels.fp8_base import Fp8Scope, Fp8Use, Fp8Weight, base_input_grad, base_product, fp8_of
 from backends.training.kernels.lora_cast_cache import CastCache, lora_casts
 from backends.training.kernels.lora_grad_accumulation import accumulate
-from backends.training.kernels.recompute_norm import keep, restore, restore_folded, source_of
+from backends.training.kernels.recompute_norm import keep, restore, restore_folded, shared, source_of
 
 
 @dataclass
@@ -138,7 +138,7 @@ class _LoraLinear(torch.autograd.Function):
                 y, z = lora_forward(x2, w, b, a, sb, ctx.fp8)
         ctx.save_for_backward(*keep(x2, source), w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
-        ctx.norm_compile = source is not None and source.compile
+        ctx.norm = shared(source)
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters, ctx.into_masters = (lora_a, lora_b), runtime.grads_into_masters
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -149,10 +149,10 @@ class _LoraLinear(torch.autograd.Function):
         kept, (w, a, sb, z) = saved[:3], saved[3:]
         g = grad.reshape(-1, grad.shape[-1]).to(a.dtype)
         if ctx.folded:
-            x2, z = restore_folded(kept, z, w.shape[1] - a.shape[0], a.dtype, ctx.norm_compile)
+            x2, z = restore_folded(kept, z, w.shape[1] - a.shape[0], a.dtype, ctx.norm)
             grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, z, w, a, sb)
         else:
-            x2 = restore(kept, a.dtype, ctx.norm_compile)
+            x2 = restore(kept, a.dtype, ctx.norm)
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
                                                    needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8)

@@ -77,7 +77,7 @@ from backends.training.kernels.fused_lora import (
     lora_param_grads,
 )
 from backends.training.kernels.lora_cast_cache import lora_casts
-from backends.training.kernels.recompute_norm import keep, restore_folded, source_of
+from backends.training.kernels.recompute_norm import keep, restore_folded, shared, source_of
 
 # attention classes whose forward calls q_proj, k_proj and v_proj, in that order, on one hidden_states
 ATTENTION = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
@@ -159,7 +159,7 @@ class _QkvLora(torch.autograd.Function):
             source = source_of(x)  # x is a norm's output: its inputs and z stand for xz (recompute_norm)
             xz, z = (xz, None) if source is None else (x2, z)
         ctx.save_for_backward(*keep(xz, source), z, group.weight, a_cat)
-        ctx.norm_compile = source is not None and source.compile
+        ctx.norm = shared(source)
         ctx.outs, ctx.ranks, ctx.scalings = group.outs, [a.shape[0] for a, _ in casts], scalings
         ctx.masters, ctx.into_masters = masters, runtime.grads_into_masters
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -170,7 +170,7 @@ class _QkvLora(torch.autograd.Function):
         saved = ctx.saved_tensors
         kept, (z, w, a_cat) = saved[:3], saved[3:]
         n = w.shape[1] - a_cat.shape[0]
-        x2, z = restore_folded(kept, z, n, a_cat.dtype, ctx.norm_compile)
+        x2, z = restore_folded(kept, z, n, a_cat.dtype, ctx.norm)
         t = x2.shape[0]
         g = torch.cat([x2.new_zeros(t, o) if g_i is None else g_i.reshape(t, o).to(x2.dtype)
                        for g_i, o in zip(grads, ctx.outs)], dim=1)

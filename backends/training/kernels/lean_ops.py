@@ -56,7 +56,7 @@ from backends.training.kernels.fused_lora import (
 )
 from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
 from backends.training.kernels.recompute_norm import (NormSource, keep, mark, normalized, restore, restore_folded,
-                                                      source_of)
+                                                      shared, source_of)
 from backends.training.kernels.torch_compile import kernel
 
 
@@ -166,7 +166,7 @@ class _LoraSwiGLU(torch.autograd.Function):
         ctx.save_for_backward(*keep(x2, source), z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da,
                               dsb, a_pair)
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
-        ctx.norm_compile = source is not None and source.compile
+        ctx.norm = shared(source)
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters = ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))
         ctx.into_masters = runtime.grads_into_masters
@@ -192,7 +192,7 @@ class _LoraSwiGLU(torch.autograd.Function):
         grad_x = None
         if ctx.fold_pair:
             n, r_gate = gw.shape[1] - a_pair.shape[0], ga.shape[0]
-            x2, z_pair = restore_folded(kept, z_pair, n, g.dtype, ctx.norm_compile)
+            x2, z_pair = restore_folded(kept, z_pair, n, g.dtype, ctx.norm)
             z_gate, z_up = z_pair[:, :r_gate], z_pair[:, r_gate:]
             if needs[0]:
                 grad_x, gz_pair = folded_input_grad([grad_g, grad_u], [gw, uw], n, a_pair)
@@ -200,7 +200,7 @@ class _LoraSwiGLU(torch.autograd.Function):
             else:
                 gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
         else:
-            x2 = restore(kept, g.dtype, ctx.norm_compile)
+            x2 = restore(kept, g.dtype, ctx.norm)
             gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
             if needs[0]:
                 grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8)

@@ -11,9 +11,11 @@ token and layer in bf16). With this on they keep (x, w, rstd), the very tensors 
 and recompute n in their backward with the forward's own elementwise formula (``normalized``, compiled on CUDA like
 the norm, whose kernel computes rstd and then n by it): the same bits, so the loss and every gradient are identical
 to the option off (compared with ``torch.equal`` on the CPU, eager, and on an H200, compiled; there fp8_base's
-steps were not, so the two never run together). The price is one elementwise pass over [T, hidden] per op's backward (reading x, writing
-n): per layer four with q, k, v as three ops, two with group_qkv. Counted at the Qwen2.5-1.5B shape (bf16, CUDA
-defaults): 61,624 -> 55,480 bytes per token and layer (``benchmarks/results/norm-recompute-cpu.md``).
+steps were not, so the two never run together). The price is one elementwise pass over [T, hidden] per norm in
+backward (reading x, writing n), two per layer: the ops that read one norm's output share its recomputation
+(``Recompute``; q, k and v's backwards run one after another). Counted at the Qwen2.5-1.5B shape (bf16, CUDA
+defaults): 61,624 -> 55,480 bytes per token and layer (``benchmarks/results/norm-recompute-cpu.md``); on the H200,
+with one pass per reading op (four a layer), 16k-token micro-batches lost 2.3% of tokens/s.
 
 Choices:
 
@@ -33,7 +35,7 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,14 +47,30 @@ def normalized(x, weight, rstd):
     return weight * (x.float() * rstd).to(x.dtype)
 
 
+class Recompute:
+    """One norm output's recomputation, shared by the ops that kept its source (q, k and v read the same output): the
+    first of their backwards computes n, the others reuse it, the last drops it. Holds no input tensor (only n, and
+    only between those backwards), so it may live on an op's ctx without keeping activations alive."""
+
+    __slots__ = ("compile", "users", "n")
+
+    def __init__(self, compile: bool):
+        self.compile, self.users, self.n = compile, 0, None
+
+
 @dataclass(frozen=True)
 class NormSource:
-    """What a norm's output n is made of: its input ``x``, ``weight``, ``rstd``, and whether its kernel is compiled."""
+    """What a norm's output n is made of: its input ``x``, ``weight``, ``rstd``, whether its kernel is compiled, and
+    the recomputation its readers share."""
 
     x: torch.Tensor
     weight: torch.Tensor
     rstd: torch.Tensor
     compile: bool
+    shared: Recompute = field(init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "shared", Recompute(self.compile))
 
 
 def mark(n: torch.Tensor, source: NormSource) -> torch.Tensor:
@@ -70,19 +88,34 @@ def source_of(n: torch.Tensor) -> NormSource | None:
 
 def keep(x2: torch.Tensor, source: NormSource | None) -> tuple:
     """The three tensors an op saves for its 2-D input x2: the norm's (x, w, rstd) where x2 is a norm's output
-    (``source``), else (x2, None, None)."""
-    return (x2, None, None) if source is None else (source.x, source.weight, source.rstd)
+    (``source``; the op is counted as one more reader of its recomputation), else (x2, None, None)."""
+    if source is None:
+        return x2, None, None
+    source.shared.users += 1
+    return source.x, source.weight, source.rstd
 
 
-def restore(kept, dtype: torch.dtype, compile: bool) -> torch.Tensor:
-    """x2 again from ``keep``'s three tensors: recomputed with the forward's kernel in the op's compute dtype."""
+def shared(source: NormSource | None) -> Recompute | None:
+    """What an op hands to ``restore``: the source's shared recomputation, None when it kept its input itself."""
+    return None if source is None else source.shared
+
+
+def restore(kept, dtype: torch.dtype, recompute: Recompute | None) -> torch.Tensor:
+    """x2 again from ``keep``'s three tensors: recomputed with the forward's kernel in the op's compute dtype, once
+    for all the ops that kept the same norm's source (the last of them drops it)."""
     x, weight, rstd = kept
     if weight is None:
         return x
-    return kernel(normalized, compile)(x, weight, rstd).reshape(-1, x.shape[-1]).to(dtype)
+    n = recompute.n
+    if n is None or n.dtype != dtype:
+        n = kernel(normalized, recompute.compile)(x, weight, rstd).reshape(-1, x.shape[-1]).to(dtype)
+    recompute.users -= 1
+    recompute.n = n if recompute.users > 0 else None
+    return n
 
 
-def restore_folded(kept, z: torch.Tensor | None, in_features: int, dtype: torch.dtype, compile: bool):
+def restore_folded(kept, z: torch.Tensor | None, in_features: int, dtype: torch.dtype,
+                   recompute: Recompute | None):
     """(x2, z) of a folded op that saved ``keep(xz, None)`` and no z, or ``keep(x2, source)`` and its z."""
-    x = restore(kept, dtype, compile)
+    x = restore(kept, dtype, recompute)
     return (x[:, :in_features], x[:, in_features:]) if z is None else (x, z)

@@ -90,6 +90,35 @@ def test_saved_bytes_drop_by_exactly_the_norm_outputs(tiny_model_path, settings,
     assert stored["off"] - stored["on"] == layers * norm_outputs_per_layer * tokens * hidden * element, stored
 
 
+def test_each_norm_output_is_recomputed_once_whatever_reads_it(tiny_model_path, monkeypatch):
+    """q, k and v as three ops (each kept the input norm's source), folded one by one, or as one grouped op: one
+    recomputation per marked norm in every layout, and nothing left held once the backward is done."""
+    restores, sources = _count_restores(monkeypatch), []
+    inner = recompute_norm.mark
+
+    def marked(n, source):
+        sources.append(source)
+        return inner(n, source)
+
+    import backends.training.kernels.lean_ops as lean_ops
+
+    monkeypatch.setattr(lean_ops, "mark", marked)
+    counts = {}
+    for name, settings in {"unfolded": dict(fold_lora_b="off"), "folded": dict(fold_lora_b="on"),
+                           "grouped": dict(group_qkv="on")}.items():
+        trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**CFG, **settings, recompute_norm="on"))
+        decoder = trainer._lm.model
+        embeds = torch.randn(1, 12, decoder.config.hidden_size, requires_grad=True)
+        restores[0], sources[:] = 0, []
+        out = decoder(inputs_embeds=embeds).last_hidden_state
+        read = [s for s in sources if s.shared.users]  # the final norm feeds the head, no fused op
+        out.sum().backward()
+        counts[name] = (restores[0], len(read))  # the input requires grad: every layer's norms are marked, 0's too
+        assert all(s.shared.n is None and s.shared.users == 0 for s in read), name
+    layers = decoder.config.num_hidden_layers
+    assert counts["unfolded"] == counts["folded"] == counts["grouped"] == (2 * layers, 2 * layers), counts
+
+
 def test_an_output_written_since_the_norm_is_not_trusted():
     x, w = torch.randn(3, 8, requires_grad=True), torch.ones(8)
     n = (x * 2).detach().requires_grad_()
