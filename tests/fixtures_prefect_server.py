@@ -42,7 +42,10 @@ class PrefectServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.log = root / "server.log"
-        env = prefect_env(self.url, root / "server-home")
+        # SQLite's busy wait (Prefect's statement timeout, 10 s by default): on a loaded 2-core machine the workers,
+        # automations and runs of a test hold its write lock long enough that a request times out and is answered
+        # 503, and the client's five retries (2 + 4 + ... + 32 s) were seen to run out
+        env = prefect_env(self.url, root / "server-home", PREFECT_SERVER_DATABASE_TIMEOUT="60")
         env.pop("PREFECT_API_URL")
         self.process = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port",
                                          str(self.port)], env=env, stdout=self.log.open("w"),
