@@ -15,6 +15,7 @@ For both, the server's own timeline of every request (`benchmarks/intake_clock.p
 seconds per request. ``--repeat`` rounds; the summary gives medians over rounds.
 
     python benchmarks/serving_intake.py --repeat 3 --out /tmp/intake.json [--label after]
+    python benchmarks/serving_intake.py --table RUN.json ...   # one markdown row per run, and medians per label
 """
 
 from __future__ import annotations
@@ -61,9 +62,59 @@ async def one_pass(url: str, load: Load, phase: str, total: int, vocab: int, str
             "server": timeline(records)}
 
 
+COLUMNS = (("TTFT p50 s (64 at once)", ("ttft_p50_s_arrival64",)), ("c64 tok/s", ("tok_s_c64",)),
+           ("c64 latency p50 s", ("latency_p50_s_c64",)), ("server CPU ms / request", ("server_cpu_ms_per_request_c64",)),
+           ("wave: parse / admission wait / prefill / to first write ms",
+            tuple(("arrival_server_median_ms", k) for k in ("parse", "admission_wait", "prefill", "first_write"))),
+           ("c64: parse / admission wait / prefill / answer ms",
+            tuple(("c64_server_median_ms", k) for k in ("parse", "admission_wait", "prefill", "answer"))))
+
+
+def table(reports: list[dict]) -> str:
+    """Markdown: one row per run (its medians over rounds), then the median of the runs of each label."""
+    def cell(summary: dict, keys) -> str:
+        values = []
+        for key in keys:
+            v = summary
+            for k in key if isinstance(key, tuple) else (key,):
+                v = (v or {}).get(k)
+            values.append("-" if v is None else f"{v:g}")
+        return " / ".join(values)
+
+    def median_summary(group: list[dict]) -> dict:
+        out: dict = {}
+        for _, keys in COLUMNS:
+            for key in keys:
+                path = key if isinstance(key, tuple) else (key,)
+                values = []
+                for r in group:
+                    v = r["summary"]
+                    for k in path:
+                        v = (v or {}).get(k)
+                    if v is not None:
+                        values.append(v)
+                target = out
+                for k in path[:-1]:
+                    target = target.setdefault(k, {})
+                target[path[-1]] = round(statistics.median(values), 4) if values else None
+        return out
+
+    head = "| run | " + " | ".join(name for name, _ in COLUMNS) + " |"
+    lines = [head, "|---" * (len(COLUMNS) + 1) + "|"]
+    for r in reports:
+        lines.append(f"| {r['label']} ({r['date'][11:16]}) | " + " | ".join(cell(r["summary"], k) for _, k in COLUMNS)
+                     + " |")
+    for label in dict.fromkeys(r["label"] for r in reports):
+        group = [r for r in reports if r["label"] == label]
+        med = median_summary(group)
+        lines.append(f"| **{label}: median of {len(group)}** | " + " | ".join(cell(med, k) for _, k in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--table", type=Path, nargs="+", default=None, help="print a markdown table of these runs, exit")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--label", default="")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--client-processes", type=int, default=None, help="default: load_client.default_processes")
@@ -72,6 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
                     help="engine settings beside the CUDA defaults set here (repeatable)")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(p.read_text()) for p in args.table]))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
     from backends.serving.inference_client import InferenceClient
     from benchmarks.inference import hardware, versions
     from benchmarks.inference_vllm import parse_settings
