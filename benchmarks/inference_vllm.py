@@ -1,4 +1,4 @@
-"""The embedded server against vLLM, through HTTP, one client, one run: same model folder, same LoRA adapter.
+"""The embedded server against vLLM, through HTTP, one client code, one run: same model folder, same LoRA adapter.
 
 What is measured, and how:
 
@@ -8,7 +8,11 @@ What is measured, and how:
   ``POST /v1/load_lora_adapter`` as ``policy@1``. Every request names ``policy@1``.
 - Servers run one at a time, each in its own process: the embedded one as ``trajflow serve`` (``python -m
   flows.cli serve``), vLLM through our launcher (`backends.serving.vllm.VLLMServer`, i.e. ``vllm serve`` with the
-  flags the flow uses). The client is this process (``httpx.AsyncClient``), so no server shares its GIL.
+  flags the flow uses). The client is `benchmarks/load_client.py` (``httpx.AsyncClient``) in processes of its own,
+  so no server shares its GIL: one per 16 concurrent requests by default (``--client-processes``), as one Python
+  process cannot drive 64 without becoming the bound (its ceiling: `benchmarks/client_ceiling.py`; on the CPU of
+  `benchmarks/results/serving-intake-cpu.md` a single process alone added 0.11-0.19 s to the TTFT of 64 requests
+  sent at once). The same client code runs for both systems.
 - Requests: ``POST /v1/completions`` with exact token-id prompts (random ids, distinct for every request and phase,
   the same for both systems; no prefix is shared between requests, so vLLM's prefix cache can only share a prompt
   among the n samples of one request), temperature 1, a seed per request (trajflow's rollouts send one),
@@ -20,8 +24,9 @@ What is measured, and how:
 - Per load: a warm-up wave (not timed; the embedded engine captures its CUDA graphs there), the timed pass without
   streaming (output tok/s = completion tokens / (first send -> last answer); latency per request, mean/p50/p95),
   then a streaming pass on fresh prompts (one wave of c requests; the 64 requests of the GRPO load) for TTFT = send
-  -> first SSE chunk that carries a token (``token_ids``). Both servers stream token by token (the embedded one
-  per engine step: `backends.serving.stream_chunks`).
+  -> first SSE chunk that carries a token (``token_ids``); both ``--repeat`` times, the table showing the median
+  pass of each (the JSON keeps every pass: ``passes``, ``stream_passes``). Both servers stream token by token (the
+  embedded one per engine step: `backends.serving.stream_chunks`).
 - With ``--vllm-unseeded`` vLLM also runs c=64 and the GRPO load without seeds (vLLM samples seeded requests
   through per-request generators), to show what the seeds cost it.
 - Decode step of the embedded engine at batch 1, in this process: an `Engine` on the same folder and adapter runs
@@ -39,6 +44,9 @@ orjson, and openai's httpx2: parts 02 and 03 of its `gather_wheels.py` output at
 Several engine configurations in one call, each with its loads and decode step (the first one is the summary's):
     python benchmarks/inference_vllm.py --systems embedded --embedded-config merged_single_adapter=true,\
 compile_decode=true --embedded-config '' --out $OUT/inference-embedded-merged-h200.json --logs $OUT
+A short call that re-measures c=64 and the GRPO load only, three passes each, without the decode step:
+    python benchmarks/inference_vllm.py --systems embedded --loads c64,grpo --repeat 3 --skip-decode-step \
+        --embedded-config merged_single_adapter=true,compile_decode=true --out $OUT/intake-h200.json --logs $OUT
 CPU check without vLLM (embedded server only, tiny model, a few requests):
     python benchmarks/inference_vllm.py --smoke
 """

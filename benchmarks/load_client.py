@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 ADAPTER = "policy@1"
 WORKERS_PER_POOL = 16
-# workers one client process drives before its own CPU shows in the figures (benchmarks/results/serving-intake-cpu.md)
+# one client process per this many workers (one pool's worth): one process for all 64 added 0.11-0.19 s to the TTFT
+# of a wave of 64 on a 2-core CPU (benchmarks/results/serving-intake-cpu.md); 16 is not tuned beyond that
 WORKERS_PER_PROCESS = 16
 MAX_PROCESSES = 8
 

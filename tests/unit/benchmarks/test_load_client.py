@@ -86,3 +86,30 @@ def test_default_processes_and_the_median_pass():
 def test_recorded_stream_splits_into_events():
     sse = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     assert events(sse) == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
+
+
+def test_measure_repeats_passes_and_reports_the_median_one(tmp_path):
+    from benchmarks.inference_vllm import Passes, measure
+
+    server, url = _serve(tmp_path)
+    rows = []
+    try:
+        asyncio.run(measure("instant", url, [Load("t", 4, 8, 8, TOKENS)], 100, True, rows.append, Passes(3, 2)))
+    finally:
+        server.terminate()
+        server.wait(10)
+    (row,) = rows
+    assert "error" not in row and row["client_processes"] == 2
+    assert len(row["passes"]) == 3 and len(row["stream_passes"]) == 3
+    assert row["tokens_per_s"] == sorted(p["tokens_per_s"] for p in row["passes"])[1]
+    assert row["ttft_s"] == sorted((p["ttft_s"] for p in row["stream_passes"]), key=lambda t: t["p50"])[1]
+    assert row["output_tokens"] == 8 * TOKENS and row["stream_requests"] == 4
+
+
+def test_an_unknown_load_name_is_refused():
+    import pytest
+
+    from benchmarks.inference_vllm import main
+
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--loads", "c64"])  # the smoke loads are c1, c4, grpo
