@@ -1,4 +1,4 @@
-"""The embedded server against vLLM, through HTTP, one client, one run: same model folder, same LoRA adapter.
+"""The embedded server against vLLM, through HTTP, one client code, one run: same model folder, same LoRA adapter.
 
 What is measured, and how:
 
@@ -8,7 +8,11 @@ What is measured, and how:
   ``POST /v1/load_lora_adapter`` as ``policy@1``. Every request names ``policy@1``.
 - Servers run one at a time, each in its own process: the embedded one as ``trajflow serve`` (``python -m
   flows.cli serve``), vLLM through our launcher (`backends.serving.vllm.VLLMServer`, i.e. ``vllm serve`` with the
-  flags the flow uses). The client is this process (``httpx.AsyncClient``), so no server shares its GIL.
+  flags the flow uses). The client is `benchmarks/load_client.py` (``httpx.AsyncClient``) in processes of its own,
+  so no server shares its GIL: one per 16 concurrent requests by default (``--client-processes``), as one Python
+  process cannot drive 64 without becoming the bound (its ceiling: `benchmarks/client_ceiling.py`; on the CPU of
+  `benchmarks/results/serving-intake-cpu.md` a single process alone added 0.11-0.19 s to the TTFT of 64 requests
+  sent at once). The same client code runs for both systems.
 - Requests: ``POST /v1/completions`` with exact token-id prompts (random ids, distinct for every request and phase,
   the same for both systems; no prefix is shared between requests, so vLLM's prefix cache can only share a prompt
   among the n samples of one request), temperature 1, a seed per request (trajflow's rollouts send one),
@@ -20,8 +24,9 @@ What is measured, and how:
 - Per load: a warm-up wave (not timed; the embedded engine captures its CUDA graphs there), the timed pass without
   streaming (output tok/s = completion tokens / (first send -> last answer); latency per request, mean/p50/p95),
   then a streaming pass on fresh prompts (one wave of c requests; the 64 requests of the GRPO load) for TTFT = send
-  -> first SSE chunk that carries a token (``token_ids``). Both servers stream token by token (the embedded one
-  per engine step: `backends.serving.stream_chunks`).
+  -> first SSE chunk that carries a token (``token_ids``); both ``--repeat`` times, the table showing the median
+  pass of each (the JSON keeps every pass: ``passes``, ``stream_passes``). Both servers stream token by token (the
+  embedded one per engine step: `backends.serving.stream_chunks`).
 - With ``--vllm-unseeded`` vLLM also runs c=64 and the GRPO load without seeds (vLLM samples seeded requests
   through per-request generators), to show what the seeds cost it.
 - Decode step of the embedded engine at batch 1, in this process: an `Engine` on the same folder and adapter runs
@@ -39,6 +44,9 @@ orjson, and openai's httpx2: parts 02 and 03 of its `gather_wheels.py` output at
 Several engine configurations in one call, each with its loads and decode step (the first one is the summary's):
     python benchmarks/inference_vllm.py --systems embedded --embedded-config merged_single_adapter=true,\
 compile_decode=true --embedded-config '' --out $OUT/inference-embedded-merged-h200.json --logs $OUT
+A short call that re-measures c=64 and the GRPO load only, three passes each, without the decode step:
+    python benchmarks/inference_vllm.py --systems embedded --loads c64,grpo --repeat 3 --skip-decode-step \
+        --embedded-config merged_single_adapter=true,compile_decode=true --out $OUT/intake-h200.json --logs $OUT
 CPU check without vLLM (embedded server only, tiny model, a few requests):
     python benchmarks/inference_vllm.py --smoke
 """
@@ -50,10 +58,8 @@ import asyncio
 import gc
 import json
 import os
-import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,27 +71,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.inference import QWEN05_SHAPE, decode_kernel_profile, graph_step_times, hardware, random_lora, versions
+from benchmarks.load_client import ADAPTER, Load, closed_loop, default_processes, prompt_ids, quantiles
 
 SERVED = "base"
-ADAPTER = "policy@1"
 TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "max_position_embeddings": 1024, "tie_word_embeddings": True}
 SUMMARY_KEYS = ("vllm_tok_s_c64", "embedded_tok_s_c64", "embedded_over_vllm_c64", "vllm_tok_s_grpo",
                 "embedded_tok_s_grpo", "embedded_over_vllm_grpo", "embedded_decode_ms_batch1")
-
-
-@dataclass
-class Load:
-    """One workload: `requests` requests from `concurrency` closed-loop clients, each `n` samples."""
-
-    name: str
-    concurrency: int
-    requests: int
-    prompt_tokens: int
-    new_tokens: int
-    n: int = 1
-    warmup_requests: int = 0  # default: one wave (concurrency requests)
-    ttft_requests: int = 0  # default: one wave
 
 
 def device_loads() -> list[Load]:
@@ -121,12 +113,6 @@ def build_model_folder(root: Path, smoke: bool, lora_rank: int) -> tuple[Path, P
     return folder, adapter, {"model": folder.name, "parameters": parameters, "weight_bytes": weight_bytes,
                              "shape": shape, "tokenizer_vocab": len(tok), "lora_rank": lora_rank,
                              "lora_targets": "q,k,v,o,gate,up,down"}
-
-
-def prompt_ids(load: str, phase: str, index: int, length: int, vocab: int) -> list[int]:
-    """Random ids in [3, vocab) (0-2 are tiny-random's special tokens), fixed by (load, phase, index)."""
-    rng = random.Random(f"{load}/{phase}/{index}")
-    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 # -- servers ---------------------------------------------------------------------------------------------------------
@@ -213,119 +199,50 @@ def start_vllm(folder: Path, work: Path, log: Path, max_seq_len: int, memory: fl
 
 
 # -- the client ------------------------------------------------------------------------------------------------------
-def body_for(load: Load, phase: str, index: int, vocab: int, seeded: bool, stream: bool) -> dict:
-    body = {"model": ADAPTER, "prompt": prompt_ids(load.name, phase, index, load.prompt_tokens, vocab),
-            "max_tokens": load.new_tokens, "min_tokens": load.new_tokens, "ignore_eos": True, "n": load.n,
-            "temperature": 1.0, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
-    if seeded:
-        body["seed"] = index
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
+@dataclass
+class Passes:
+    """How a load is measured: `repeat` timed passes (and as many streamed ones), in `client_processes` client
+    processes (None: `load_client.default_processes` of the load's concurrency)."""
+
+    repeat: int = 1
+    client_processes: int | None = None
 
 
-async def one_request(http, body: dict, expected: int) -> tuple[float, float | None, int]:
-    """(latency s, TTFT s or None, completion tokens) of one request; raises if a sample is not `expected` long."""
-    t0 = time.perf_counter()
-    if not body.get("stream"):
-        reply = await http.post("/v1/completions", json=body)
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:500]}")
-        data = reply.json()
-        latency = time.perf_counter() - t0
-        lengths = [len(c["token_ids"]) for c in data["choices"]]
-        if len(lengths) != body["n"] or any(n != expected for n in lengths):
-            raise RuntimeError(f"expected {body['n']} samples of {expected} tokens, got {lengths}")
-        return latency, None, sum(lengths)
-    ttft, counts, usage = None, {}, None
-    async with http.stream("POST", "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:500]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload.strip() == "[DONE]":
-                break
-            chunk = json.loads(payload)
-            for choice in chunk.get("choices") or []:
-                got = len(choice.get("token_ids") or [])
-                if got and ttft is None:
-                    ttft = time.perf_counter() - t0
-                counts[choice["index"]] = counts.get(choice["index"], 0) + got
-            usage = chunk.get("usage") or usage
-    latency = time.perf_counter() - t0
-    lengths = [counts.get(i, 0) for i in range(body["n"])]
-    if any(n != expected for n in lengths):
-        raise RuntimeError(f"streamed: expected {body['n']} samples of {expected} tokens, got {lengths}")
-    if usage and usage.get("completion_tokens") != sum(lengths):
-        raise RuntimeError(f"streamed: usage says {usage.get('completion_tokens')} tokens, chunks {sum(lengths)}")
-    return latency, ttft, sum(lengths)
+def median_pass(passes: list[dict], key) -> dict:
+    """The pass whose `key` is the median (the lower middle one of an even count)."""
+    return sorted(passes, key=key)[(len(passes) - 1) // 2]
 
 
-WORKERS_PER_POOL = 16
+async def measure(system: str, base_url: str, loads: list[Load], vocab: int, seeded: bool, record,
+                  passes: Passes = Passes()) -> None:
+    """Warm-up, timed passes and streaming passes of each load; `record(row)` is called after each load.
 
-
-async def closed_loop(base_url: str, load: Load, phase: str, total: int, vocab: int, seeded: bool, stream: bool):
-    """`load.concurrency` workers sending `total` requests; (latencies, ttfts, tokens, wall s).
-
-    Every `WORKERS_PER_POOL` workers share one ``httpx.AsyncClient`` (one connection each): httpx's pool scans all
-    its connections for every request it sends and every answer it closes, so one pool for 256 workers spent ~90% of
-    this process's CPU in the scans (py-spy), its event loop fell seconds behind, and the client, not the server,
-    set the c=256 figure (`benchmarks/results/serving-overhead-cpu.md`)."""
-    import contextlib
-
-    import httpx
-
-    queue = list(range(total))
-    latencies, ttfts, tokens = [], [], 0
-    workers = min(load.concurrency, total)
-    limits = httpx.Limits(max_connections=WORKERS_PER_POOL, max_keepalive_connections=WORKERS_PER_POOL)
-    async with contextlib.AsyncExitStack() as stack:
-        pools = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=base_url, timeout=httpx.Timeout(900.0), limits=limits))
-            for _ in range(-(-workers // WORKERS_PER_POOL))]
-
-        async def worker(http):
-            nonlocal tokens
-            while queue:
-                i = queue.pop(0)
-                latency, ttft, produced = await one_request(
-                    http, body_for(load, phase, i, vocab, seeded, stream), load.new_tokens)
-                latencies.append(latency)
-                tokens += produced
-                if ttft is not None:
-                    ttfts.append(ttft)
-
-        start = time.perf_counter()
-        await asyncio.gather(*[worker(pools[w // WORKERS_PER_POOL]) for w in range(workers)])
-        return latencies, ttfts, tokens, time.perf_counter() - start
-
-
-def quantiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    v = sorted(values)
-    return {"mean": round(statistics.fmean(v), 4), "p50": round(v[len(v) // 2], 4),
-            "p95": round(v[min(len(v) - 1, int(0.95 * len(v)))], 4)}
-
-
-async def measure(system: str, base_url: str, loads: list[Load], vocab: int, seeded: bool, record) -> None:
-    """Warm-up, timed pass and streaming pass of each load; `record(row)` is called after each load."""
+    The row's figures are the median pass's (output tok/s for the timed passes, TTFT p50 for the streamed ones);
+    every pass is kept in ``passes`` and ``stream_passes``. Each pass sends fresh prompts."""
     for load in loads:
+        processes = passes.client_processes or default_processes(load.concurrency)
         row = {"system": system, "load": load.name, "concurrency": load.concurrency, "n": load.n,
-               "prompt_tokens": load.prompt_tokens, "new_tokens": load.new_tokens, "seeded": seeded}
+               "prompt_tokens": load.prompt_tokens, "new_tokens": load.new_tokens, "seeded": seeded,
+               "client_processes": processes}
         try:
             await closed_loop(base_url, load, "warmup", load.warmup_requests or load.concurrency, vocab, seeded,
-                              False)
-            lat, _, tokens, wall = await closed_loop(base_url, load, "timed", load.requests, vocab, seeded, False)
-            row.update(requests=load.requests, output_tokens=tokens, wall_s=round(wall, 3),
-                       tokens_per_s=round(tokens / wall, 1), latency_s=quantiles(lat))
+                              False, processes)
+            timed, streamed = [], []
             n_ttft = load.ttft_requests or (load.requests if load.name == "grpo" else load.concurrency)
-            lat_s, ttft, tokens_s, wall_s = await closed_loop(base_url, load, "stream", n_ttft, vocab, seeded, True)
-            row.update(stream_requests=n_ttft, stream_tokens_per_s=round(tokens_s / wall_s, 1),
-                       ttft_s=quantiles(ttft), stream_latency_s=quantiles(lat_s))
+            for i in range(passes.repeat):
+                suffix = str(i) if i else ""
+                lat, _, tokens, wall = await closed_loop(base_url, load, "timed" + suffix, load.requests, vocab,
+                                                         seeded, False, processes)
+                timed.append({"requests": load.requests, "output_tokens": tokens, "wall_s": round(wall, 3),
+                              "tokens_per_s": round(tokens / wall, 1), "latency_s": quantiles(lat)})
+                lat_s, ttft, tokens_s, wall_s = await closed_loop(base_url, load, "stream" + suffix, n_ttft, vocab,
+                                                                  seeded, True, processes)
+                streamed.append({"stream_requests": n_ttft, "stream_tokens_per_s": round(tokens_s / wall_s, 1),
+                                 "ttft_s": quantiles(ttft), "stream_latency_s": quantiles(lat_s)})
+            row.update(median_pass(timed, lambda p: p["tokens_per_s"]))
+            row.update(median_pass(streamed, lambda p: p["ttft_s"].get("p50", 0.0)))
+            if passes.repeat > 1:
+                row.update(passes=timed, stream_passes=streamed)
         except Exception as e:  # noqa: BLE001 - record the failure, go on with the next load
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         record(row)
@@ -439,6 +356,11 @@ def markdown(report: dict) -> str:
                                                       + ", ".join(f"batch {b}: {ms} ms" for b, ms in
                                                                   d["graph_replay_ms"].items())
                                                       if "graph_replay_ms" in d else "") + "."]
+    processes = sorted({r["client_processes"] for r in report["results"] if "client_processes" in r})
+    if processes:
+        repeat = report["config"].get("passes", {}).get("repeat", 1)
+        lines.append(f"- Client (`benchmarks/load_client.py`): {' / '.join(map(str, processes))} process(es) per pass; "
+                     f"{repeat} timed and {repeat} streamed pass(es) per load, the median shown (all in the JSON).")
     for note in report.get("notes", []):
         lines.append(f"- {note}")
     for name, err in report.get("errors", {}).items():
@@ -463,6 +385,15 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-unseeded", action="store_true", help="also run vLLM at c64 and grpo without seeds")
     ap.add_argument("--vllm-executable", default=None, help="the `vllm` command (default: `python -m vllm."
                                                              "entrypoints.cli.main` with this interpreter)")
+    ap.add_argument("--loads", default=None, help="comma-separated subset of the loads by name (c1,c8,c64,c256,grpo; "
+                                                  "c1,c4,grpo with --smoke); default all")
+    ap.add_argument("--repeat", type=int, default=1, help="timed (and streamed) passes per load; the table shows the "
+                                                          "median pass, the JSON keeps every pass")
+    ap.add_argument("--client-processes", type=int, default=None,
+                    help="client processes per pass (default: one per 16 concurrent requests, at most 8: "
+                         "benchmarks/load_client.py)")
+    ap.add_argument("--skip-decode-step", action="store_true", help="do not measure the embedded decode step at batch 1 "
+                                                                    "(its summary key is then null)")
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting new work after this many seconds")
     ap.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: beside --out)")
     args = ap.parse_args(argv)
@@ -478,6 +409,15 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     loads = smoke_loads() if args.smoke else device_loads()
+    if args.loads:
+        wanted = args.loads.split(",")
+        unknown = sorted(set(wanted) - {x.name for x in loads})
+        if unknown:
+            ap.error(f"--loads: unknown {', '.join(unknown)} (known: {', '.join(x.name for x in loads)})")
+        loads = [x for x in loads if x.name in wanted]
+    if args.repeat < 1 or (args.client_processes is not None and args.client_processes < 1):
+        ap.error("--repeat and --client-processes must be at least 1")
+    passes = Passes(args.repeat, args.client_processes)
     try:
         embedded_configs = [parse_settings(text) for text in (args.embedded_config or [""])]
     except ValueError as e:
@@ -492,7 +432,8 @@ def main(argv=None) -> int:
         "benchmark": "benchmarks/inference_vllm.py", "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": hardware(device), "versions": versions(),
         "config": {**model_facts, "device": device, "dtype": "bfloat16" if device.startswith("cuda") else
-                   "float32 (CPU)", "loads": [asdict(x) for x in loads], "temperature": 1.0, "logprobs": 0,
+                   "float32 (CPU)", "loads": [asdict(x) for x in loads], "passes": asdict(passes),
+                   "client": "benchmarks/load_client.py", "temperature": 1.0, "logprobs": 0,
                    "seeded": True, "prompt": "exact token ids, /v1/completions", "max_seq_len": args.max_seq_len,
                    "embedded": {"max_batch_size": args.embedded_max_batch, "max_loras": 4,
                                 "engine_settings": embedded_configs},
@@ -538,12 +479,14 @@ def main(argv=None) -> int:
 
             asyncio.run(InferenceClient(server.url).load_adapter(ADAPTER, str(adapter)))
             report["timings_s"][f"embedded_start{suffix}"] = round(time.monotonic() - t0, 1)
-            asyncio.run(measure(name, server.url, loads, vocab, True, rows.append))
+            asyncio.run(measure(name, server.url, loads, vocab, True, rows.append, passes))
         except Exception as e:  # noqa: BLE001
             report["errors"][name] = f"{type(e).__name__}: {e}\n{log_tail(server.log)}"
         finally:
             server.stop()
         phase(f"embedded{suffix}", t0)
+        if args.skip_decode_step:
+            continue
         t0 = time.monotonic()
         try:
             step = embedded_decode_step(folder, adapter, device, loads[0], args.embedded_max_batch,
@@ -570,10 +513,10 @@ def main(argv=None) -> int:
             from backends.serving.inference_client import InferenceClient
 
             asyncio.run(InferenceClient(server.url).load_adapter(ADAPTER, str(adapter)))
-            asyncio.run(measure("vllm", server.url, loads, vocab, True, rows.append))
+            asyncio.run(measure("vllm", server.url, loads, vocab, True, rows.append, passes))
             if args.vllm_unseeded and args.budget_s - (time.monotonic() - t_start) > 45:
                 unseeded = [x for x in loads if x.name in ("c64", "grpo")]
-                asyncio.run(measure("vllm", server.url, unseeded, vocab, False, rows.append))
+                asyncio.run(measure("vllm", server.url, unseeded, vocab, False, rows.append, passes))
         except Exception as e:  # noqa: BLE001
             report["errors"]["vllm"] = f"{type(e).__name__}: {e}"[-6000:]
         finally:

@@ -10,6 +10,10 @@ by the stand-in right after it is built, and the app gets two extra routes for t
   other workers; from ``/proc/self/task/<tid>/stat``), the event loop's lag (a probe task asks to wake every
   `LAG_TICK_S` and records how late it wakes), the engine's and the stand-in's counters.
 - ``POST /bench/reset``: zero the lag record and the stand-in's counters (CPU times are read as differences).
+- ``POST /bench/profile?path=FILE``: start cProfile on the event loop's thread; the next call stops it and writes
+  its stats to FILE (``pstats``): what the loop spends its time on (threads other than the loop are not seen).
+- ``GET /bench/intake``: the per-request timelines recorded since the last call (`benchmarks/intake_clock.py`), and
+  forgets them.
 
 Benchmarks only; the product never imports this.
 """
@@ -28,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_standin import StandInTiming, install
+from benchmarks.intake_clock import IntakeClock, IntakeMiddleware
 
 LAG_TICK_S = 0.005
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -123,7 +128,9 @@ def instrument(timing: StandInTiming, keep_alive_s: float | None = None, http: s
 
     def create_app(engine, *args, **kwargs):
         app = original_create(engine, *args, **kwargs)
-        probe, gc_clock = LagProbe(), GcClock()
+        probe, gc_clock, intake = LagProbe(), GcClock(), IntakeClock()
+        intake.wrap_engine(engine)
+        app.add_middleware(IntakeMiddleware, clock=intake)
 
         async def stats():
             probe.ensure_running()
@@ -142,8 +149,26 @@ def instrument(timing: StandInTiming, keep_alive_s: float | None = None, http: s
                 engine.standin["counters"].reset()
             return {}
 
+        profiler = {}
+
+        async def profile(path: str):
+            import cProfile
+
+            if "on" not in profiler:
+                profiler["on"] = cProfile.Profile()
+                profiler["on"].enable()
+                return {"profiling": True}
+            profiler["on"].disable()
+            profiler.pop("on").dump_stats(path)
+            return {"profiling": False, "path": path}
+
+        async def timelines():
+            return intake.take()
+
         # no key: the benchmark serves on 127.0.0.1 without one
         app.add_api_route("/bench/stats", stats, methods=["GET"])
+        app.add_api_route("/bench/intake", timelines, methods=["GET"])
+        app.add_api_route("/bench/profile", profile, methods=["POST"])
         app.add_api_route("/bench/reset", reset, methods=["POST"])
         return app
 

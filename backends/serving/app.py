@@ -10,13 +10,18 @@ names that exist), 413 for a body over the size cap (`request_bodies`), 500 for 
 
 - **Key.** With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (vLLM's
   rule: a load balancer's health check carries no key, and the answer tells nothing).
-- **The event loop only waits.** Bodies are parsed, validated, templated and tokenized in one worker job, and
-  responses built and encoded to bytes in another (`request_bodies`, `tokenizer_pool`, `response_bytes`), so no
-  request can hold up another or ``/health``. The exception: a streamed chunk is built on the loop (with the loop's
-  own tokenizer copy), being small (a decode of a few tokens' window, one JSON object per choice) and frequent; a
-  worker job per chunk costs a thread hop and a loop wake-up each, one per streamed request and step. With the
-  stand-in engine at HTTP c=64 on this CPU (`benchmarks/streaming_standin.py`), streamed answers gave 8.1-9.6k
-  tok/s through the pool (4 passes) against 8.3-13.4k on the loop (6 passes; non-streamed: 9.6-13.5k).
+- **The event loop does only small work.** Bodies are parsed, validated, templated and tokenized in one job, and
+  responses built and encoded to bytes in another (`request_bodies`, `tokenizer_pool`, `response_bytes`). A job
+  runs on a worker thread when it may be large (a chat body, whose template's cost the body's size does not bound; a
+  completions body over `INLINE_BODY_BYTES`; an answer of more than `INLINE_ANSWER_TOKENS` tokens), so no request
+  can hold up another or ``/health`` for long; a small one runs on the loop, with the loop's own tokenizer copy: a
+  worker job costs two thread hops (~80 us on an idle CPU, up to a GIL switch interval each under load) and a loop
+  wake-up, more than the work itself (a 128-token-id completions body: ~0.1 ms to parse and check; an answer of
+  128 tokens with logprobs: ~0.1 ms to build and encode), and when 64 requests arrive at once the hops queue
+  behind each other (`benchmarks/serving_intake.py`). Streamed chunks are built on the loop likewise, being small
+  (a decode of a few tokens' window, one JSON object per choice) and frequent: with the stand-in engine at HTTP
+  c=64 on this CPU (`benchmarks/streaming_standin.py`), streamed answers gave 8.1-9.6k tok/s through the pool (4
+  passes) against 8.3-13.4k on the loop (6 passes; non-streamed: 9.6-13.5k).
 - **Streams are sent as tokens are decoded.** With ``stream: true`` the engine hands over each step's tokens
   (`Engine.stream`, through the same one-wake-up-per-step hand-off as finished requests); the answer's headers and
   first chunks go out with the first tokens (an error before them is an ordinary HTTP error), then one write per
@@ -65,6 +70,8 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 OPEN_PATHS = ("/health",)
+INLINE_BODY_BYTES = 8 * 1024  # a completions body parsed and checked on the loop up to this (~1 ms: module docstring)
+INLINE_ANSWER_TOKENS = 512  # build + encode an answer on the loop up to this many completion tokens (~0.4 ms)
 
 
 @dataclass
@@ -265,6 +272,11 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
             raise
         return Opened(opened, chunks, sse_events(chunks.opening()) + chunks.encode(loop_tokenizer, batch))
 
+    async def _job(small: bool, fn, *args):
+        """``fn(tokenizer, *args)``: on the loop with its tokenizer when `small`, else a worker job (module
+        docstring)."""
+        return fn(loop_tokenizer, *args) if small else await pool.run(fn, *args)
+
     def _chat_prompt(tokenizer, raw: bytes):
         req = parse_request(_json_object(raw))
         engine.adapters.resolve(req.model)  # 404 before the template work
@@ -274,12 +286,12 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
         return json_bytes(response_json(req, prompt, completions, names))
 
     async def _chat(raw: bytes):
-        req, prompt = await pool.run(_chat_prompt, raw)
+        req, prompt = await pool.run(_chat_prompt, raw)  # a chat template's cost is not bounded by the body's size
         if req.stream:
             streams = [engine.stream(prompt, sampling_params(req), req.model, req.n)]
             return req, await _open(streams, ChatChunks(req, prompt, names))
         completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
-        return req, await pool.run(_chat_answer, req, prompt, completions)
+        return req, await _job(_small_answer([completions]), _chat_answer, req, prompt, completions)
 
     def _completion_prompts(tokenizer, raw: bytes):
         req = text_completions.parse_completion_request(_json_object(raw))
@@ -290,7 +302,7 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
         return json_bytes(text_completions.response_json(req, prompts, results, names))
 
     async def _complete(raw: bytes):
-        req, prompts = await pool.run(_completion_prompts, raw)
+        req, prompts = await _job(len(raw) <= INLINE_BODY_BYTES, _completion_prompts, raw)
         params = req.sampling_params()
         if req.stream:
             streams = [engine.stream(p, params, req.model, req.n) for p in prompts]
@@ -302,7 +314,10 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
             for job in jobs:  # one prompt failed (or the client left): abort the others rather than compute them
                 job.cancel()
             raise
-        return req, await pool.run(_completion_answer, req, prompts, results)
+        return req, await _job(_small_answer(results), _completion_answer, req, prompts, results)
+
+    def _small_answer(results: list[list]) -> bool:
+        return sum(len(c.token_ids) for completions in results for c in completions) <= INLINE_ANSWER_TOKENS
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request):

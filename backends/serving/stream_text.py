@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 
+from backends.serving.token_text import text_decoder
+
 log = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
@@ -36,8 +38,9 @@ class StreamText:
     def push(self, tokenizer, ids: list[int]) -> str:
         """Take `ids` (the choice's next tokens); the text they release (maybe empty)."""
         self.ids.extend(ids)
-        before = tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        window = tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        decode = text_decoder(tokenizer)
+        before = decode(self.ids[self.prefix:self.read])
+        window = decode(self.ids[self.prefix:])
         if len(window) > len(before) and not window.endswith(REPLACEMENT):
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)

@@ -40,6 +40,35 @@ async def test_health_answers_while_a_request_is_being_prepared(tiny_server, mon
         assert (await chat).status_code == 200
 
 
+async def test_a_large_completions_body_is_prepared_off_the_loop_and_a_small_one_on_it(tiny_server, monkeypatch):
+    """Over INLINE_BODY_BYTES the parse runs on a worker (/health answers meanwhile); a small body's on the loop."""
+    entered, release, threads = threading.Event(), threading.Event(), []
+    real = app_module.text_completions.completion_prompts
+
+    def slow_prompts(tokenizer, req, vocab):  # stands in for a huge body's parse and tokenization
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            entered.set()
+            release.wait(30)
+        return real(tokenizer, req, vocab)
+
+    monkeypatch.setattr(app_module.text_completions, "completion_prompts", slow_prompts)
+    large = {"model": "tiny-random", "prompt": [5, 6, 7], "max_tokens": 1,  # large in bytes, short in tokens
+             "stop": ["x" * (app_module.INLINE_BODY_BYTES // 8)] * 10}
+    async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+        job = asyncio.create_task(http.post(tiny_server.base_url + "/completions", json=large))
+        try:
+            assert await asyncio.to_thread(entered.wait, 30)
+            assert (await http.get(tiny_server.url + "/health", timeout=5)).status_code == 200
+        finally:
+            release.set()
+        assert (await job).status_code == 200
+        small = await http.post(tiny_server.base_url + "/completions",
+                                json={"model": "tiny-random", "prompt": [5, 6, 7], "max_tokens": 1})
+        assert small.status_code == 200
+    assert threads[0].startswith("tokenize") and threads[1] == "uvicorn"  # start_server's loop thread
+
+
 @pytest.fixture(scope="module")
 def small_body_server(tiny_model_path):
     """A server whose body cap is 64 KiB (start_server's max_body_bytes)."""
