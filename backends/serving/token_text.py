@@ -26,9 +26,9 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     other tokenizer keeps its ``decode``."""
     decode = _DECODERS.get(tokenizer)
     if decode is None:
-        decode = _DECODERS[tokenizer] = _direct(tokenizer) or (
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return decode
+        # the cached value must not refer to the tokenizer (its key): the direct call holds the Rust object only
+        decode = _DECODERS[tokenizer] = _direct(tokenizer) or False
+    return decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _direct(tokenizer) -> Callable[[list[int]], str] | None:
