@@ -392,8 +392,8 @@ def main(argv=None) -> int:
     ap.add_argument("--client-processes", type=int, default=None,
                     help="client processes per pass (default: one per 16 concurrent requests, at most 8: "
                          "benchmarks/load_client.py)")
-    ap.add_argument("--skip-decode-step", action="store_true", help="do not measure the embedded decode step at batch 1 "
-                                                                    "(its summary key is then null)")
+    ap.add_argument("--skip-decode-step", action="store_true",
+                    help="do not measure the embedded decode step at batch 1 (its summary key is then null)")
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting new work after this many seconds")
     ap.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: beside --out)")
     args = ap.parse_args(argv)

@@ -1,12 +1,13 @@
 """Per-request timeline of the embedded server (benchmarks only): where a completion request's time goes between its
 arrival and its admission, and between its last token and its answer being written.
 
-`IntakeMiddleware` wraps the ASGI app and `IntakeClock.wrap_engine` the engine's `submit` and `_prefill` (instance attributes: nothing of
-the product changes) and records, for every ``POST /v1/completions``, perf_counter times of:
+`IntakeMiddleware` wraps the ASGI app and `IntakeClock.wrap_engine` the engine's `submit` and `_prefill` (instance
+attributes: nothing of the product changes); together they record, for every ``POST /v1/completions``, perf_counter
+times of:
 
 - ``arrival``: the ASGI call starts (the request line and headers are parsed);
-- ``submit``: the engine is handed the request (body read, parsed, validated, prompts checked: the worker job and
-  its hops);
+- ``submit``: the engine is handed the request (body read, parsed, validated, prompts checked: on the loop or in a
+  worker job with its hops);
 - ``admit`` / ``prefilled``: the engine starts / ends the prefill that admits it (waiting in the inbox and the
   admission policy before, the prefill between);
 - ``engine_first``: the engine hands over its first tokens (streamed requests) and ``engine_done`` its completions;

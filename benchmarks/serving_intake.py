@@ -63,7 +63,8 @@ async def one_pass(url: str, load: Load, phase: str, total: int, vocab: int, str
 
 
 COLUMNS = (("TTFT p50 s (64 at once)", ("ttft_p50_s_arrival64",)), ("c64 tok/s", ("tok_s_c64",)),
-           ("c64 latency p50 s", ("latency_p50_s_c64",)), ("server CPU ms / request", ("server_cpu_ms_per_request_c64",)),
+           ("c64 latency p50 s", ("latency_p50_s_c64",)),
+           ("server CPU ms / request", ("server_cpu_ms_per_request_c64",)),
            ("wave: parse / admission wait / prefill / to first write ms",
             tuple(("arrival_server_median_ms", k) for k in ("parse", "admission_wait", "prefill", "first_write"))),
            ("c64: parse / admission wait / prefill / answer ms",

@@ -18,16 +18,17 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     what ``decode`` does.
 
     A fast tokenizer's ``decode`` converts its argument (``to_py_obj``), checks for a batch, then calls the Rust
-    ``decode`` and, with ``clean_up_tokenization_spaces``, cleans the text: ~22 us a call of which the Rust decode
-    is ~3 (cProfile, SmolLM2's tokenizer). A streamed choice decodes twice per token on the event loop
-    (`stream_text`), so the wrapper was the loop's largest cost in a streamed c=64 wave. The Rust call is used only
-    where it is the same function: a `TokenizersBackend` whose ``decode`` and ``_decode`` are the library's own and
-    that does not clean up spaces; any other tokenizer keeps its ``decode``."""
+    ``decode`` and, with ``clean_up_tokenization_spaces``, cleans the text: 6.5 us a call for 4 ids, of which the
+    Rust decode is 2 (SmolLM2's tokenizer, this CPU). A streamed choice decodes twice per token on the event loop
+    (`stream_text`): the largest item of the loop's chunk building in a streamed c=64 wave (cProfile,
+    `benchmarks/serving_intake.py --profile`). The Rust call is used only where it is the same function: a
+    `TokenizersBackend` whose ``decode`` and ``_decode`` are the library's own and that does not clean up spaces; any
+    other tokenizer keeps its ``decode``."""
     decode = _DECODERS.get(tokenizer)
     if decode is None:
-        decode = _DECODERS[tokenizer] = _direct(tokenizer) or (
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return decode
+        # the cached value must not refer to the tokenizer (its key): the direct call holds the Rust object only
+        decode = _DECODERS[tokenizer] = _direct(tokenizer) or False
+    return decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _direct(tokenizer) -> Callable[[list[int]], str] | None:

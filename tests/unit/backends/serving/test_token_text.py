@@ -13,7 +13,7 @@ from backends.serving.token_text import text_decoder
 def test_the_direct_decoder_is_the_tokenizers_decode(tiny_hf):
     _, tok = tiny_hf
     decode = text_decoder(tok)
-    assert token_text._direct(tok) is not None and text_decoder(tok) is decode  # one per tokenizer
+    assert token_text._direct(tok) is not None and text_decoder(tok) is decode  # one per tokenizer, cached
     rng = random.Random(0)
     special = list(tok.all_special_ids)
     for _ in range(2000):
