@@ -201,6 +201,38 @@ def fusable_parts(layer) -> LoraParts | None:
                      fp8_of(base))
 
 
+def _parts_state(layer) -> tuple[tuple, tuple]:
+    """(state, held): everything ``fusable_parts`` reads that can change on a live model, as scalars and object ids
+    (adapter switches, active and merged adapters, variants, scalings, the base weight and bias, their fold and fp8
+    copies, each adapter's A, B and dropout modules), and the objects whose ids it names. Read from the modules' own
+    dicts: ``Module.__getattr__`` is most of ``fusable_parts``' host time."""
+    base, mods = layer._modules["base_layer"], layer._modules
+    weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
+    held = (weight, bias, base.__dict__.get("_trajflow_fold"), base.__dict__.get("_trajflow_fp8"),
+            *(m for key in ("lora_A", "lora_B", "lora_dropout") for m in mods[key]._modules.values()))
+    active = layer._active_adapter
+    state = (layer._disable_adapters, tuple(layer.merged_adapters), active if isinstance(active, str) else
+             tuple(active), tuple(layer.lora_variant), tuple(layer.scaling.items()),
+             weight is not None and weight.requires_grad, bias is not None and bias.requires_grad, *map(id, held))
+    return state, held
+
+
+def cached_parts(layer) -> LoraParts | None:
+    """``fusable_parts(layer)``, made once and returned again while ``_parts_state`` is what it was when made: a
+    forward's per-call host work becomes one state read (the entry holds the objects whose ids it compares, so an id
+    is never reused while it lives). A module that is no peft LoRA layer (a projection left out of target_modules)
+    goes to ``fusable_parts`` each time."""
+    if "lora_A" not in layer._modules or "base_layer" not in layer._modules:
+        return fusable_parts(layer)
+    state, held = _parts_state(layer)
+    entry = layer.__dict__.get("_trajflow_parts")
+    if entry is not None and entry[0] == state:
+        return entry[1]
+    parts = fusable_parts(layer)
+    layer.__dict__["_trajflow_parts"] = (state, parts, held)
+    return parts
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype where autocast is on for x's device, else x's dtype."""
     dev = x.device.type
@@ -208,7 +240,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _fused_lora_forward(self, x, *args, **kwargs):
-    parts = None if args or kwargs else fusable_parts(self)
+    parts = None if args or kwargs else cached_parts(self)
     if parts is None:
         return self._trajflow_peft_forward(x, *args, **kwargs)
     return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,

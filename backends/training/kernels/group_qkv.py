@@ -72,8 +72,8 @@ from backends.training.kernels.fold_lora_b import (
 from backends.training.kernels.fused_lora import (
     LoraParts,
     LoraRuntime,
+    cached_parts,
     compute_dtype,
-    fusable_parts,
     lora_param_grads,
 )
 from backends.training.kernels.lora_cast_cache import lora_casts
@@ -123,7 +123,7 @@ class QkvGroup:
 
     def _grouped(self, x: torch.Tensor):
         """(q, k, v) from one ``_QkvLora``, or None where a module cannot run grouped."""
-        parts = [fusable_parts(m) for m in self.modules]
+        parts = [cached_parts(m) for m in self.modules]
         if any(p is None for p in parts) or not self._biases_in_place(parts):
             return None
         dtype, runtime = compute_dtype(x), self.modules[0]._trajflow_lora_runtime

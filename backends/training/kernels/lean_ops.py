@@ -24,8 +24,8 @@ passes eagerly as several float32 kernels and cost 26% of throughput on an H200 
 Applied by ``patch_model`` to modules that look like these blocks (an RMSNorm with ``weight`` and
 ``variance_epsilon``; an MLP with gate/up/down projections and a SiLU activation); anything else is
 left alone. The MLP takes the fused LoRA path only when all three projections are plain fusable LoRA
-(``fused_lora.fusable_parts``) with no bias, else the SwiGLU op between the projections' own forwards
-(so a disabled adapter, as in the KL reference pass, still means the base model).
+(``fused_lora.fusable_parts``, read through ``cached_parts``) with no bias, else the SwiGLU op between the
+projections' own forwards (so a disabled adapter, as in the KL reference pass, still means the base model).
 
 With gate and up folded as one group (``fold_lora_b``: their weights in [W | .. (sB)_c ..] buffers that read one
 xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the same bytes) and gets gate's and up's
@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from backends.training.kernels.fused_lora import (
     PLAIN,
     LoraRuntime,
+    cached_parts,
     cast_parts,
     compute_dtype,
-    fusable_parts,
     lora_forward,
     lora_input_grad,
     lora_param_grads,
@@ -238,7 +238,7 @@ def _norm_forward(self, hidden_states):
 
 def _mlp_forward(self, x):
     if self._trajflow_fuse_lora:
-        parts = [fusable_parts(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        parts = [cached_parts(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(p is not None and p.bias is None for p in parts):
             return lora_swiglu(x, *parts, dtype=compute_dtype(x), compile=self._trajflow_compile,
                                runtime=self._trajflow_lora_runtime)

@@ -117,3 +117,32 @@ def test_compiled_logprobs_fall_back_to_the_same_eager_math(monkeypatch):
     assert torch.equal(logp, eager_logp) and torch.equal(entropy, eager_entropy) and torch.equal(grad, eager_grad)
     ref_logp, ref_entropy = full_logprobs(hidden, weight, targets, temperature=0.7)
     assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)
+
+
+def test_cached_parts_are_reused_until_what_fusable_parts_reads_changes():
+    from peft import LoraConfig, get_peft_model
+
+    from backends.training.kernels.fold_lora_b import fold_linears
+    from backends.training.kernels.fused_lora import cached_parts, fusable_parts
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 24)
+
+    model = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=8, target_modules=["proj"]))
+    layer = model.base_model.model.proj
+    first = cached_parts(layer)
+    assert first is not None and cached_parts(layer) is first  # the second call builds nothing
+    assert (first.weight, first.scaling) == (fusable_parts(layer).weight, fusable_parts(layer).scaling)
+    with model.disable_adapter():  # the KL reference pass: peft's own forward
+        assert cached_parts(layer) is None
+    assert cached_parts(layer) is not first and cached_parts(layer).lora_a is first.lora_a
+    layer.scaling["default"] = 0.25
+    assert cached_parts(layer).scaling == 0.25
+    (fold,) = fold_linears([layer.base_layer], [4])  # a new base weight Parameter, and its fold
+    parts = cached_parts(layer)
+    assert parts.fold is fold and parts.weight is layer.base_layer.weight
+    layer.base_layer.weight.requires_grad_(True)  # a trainable base weight is not fusable
+    assert cached_parts(layer) is None
+    assert cached_parts(torch.nn.Linear(2, 2)) is None  # no LoRA layer at all
