@@ -76,9 +76,15 @@ class LoraRuntime:
 PLAIN = LoraRuntime()
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, which is t itself where t has that dtype already; that case skips the call, which would
+    still go through torch's dispatcher (host time per op, and the ops here run per layer and micro-batch)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype, casts: CastCache | None = None):
     """(W_c, b_c, A_c, (sB)_c) in the compute dtype, A_c and (sB)_c through ``casts`` where given."""
-    return (weight.to(dtype), None if bias is None else bias.to(dtype),
+    return (as_dtype(weight, dtype), None if bias is None else as_dtype(bias, dtype),
             *lora_casts(casts, lora_a, lora_b, scaling, dtype))
 
 
@@ -123,7 +129,7 @@ class _LoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime,
                 fold: FoldedWeight | None, fp8: Fp8Weight | None):
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
             ctx.folded = runs_folded([fold], [weight], [sb])
             ctx.fp8 = None if ctx.folded else runtime.fp8_use(fp8, weight, dtype)
@@ -147,7 +153,7 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         kept, (w, a, sb, z) = saved[:3], saved[3:]
-        g = grad.reshape(-1, grad.shape[-1]).to(a.dtype)
+        g = as_dtype(grad.reshape(-1, grad.shape[-1]), a.dtype)
         if ctx.folded:
             x2, z = restore_folded(kept, z, w.shape[1] - a.shape[0], a.dtype, ctx.norm)
             grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, z, w, a, sb)
@@ -157,7 +163,7 @@ class _LoraLinear(torch.autograd.Function):
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
                                                    needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8)
         if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 

@@ -72,6 +72,7 @@ from backends.training.kernels.fold_lora_b import (
 from backends.training.kernels.fused_lora import (
     LoraParts,
     LoraRuntime,
+    as_dtype,
     cached_parts,
     compute_dtype,
     lora_param_grads,
@@ -150,12 +151,12 @@ class _QkvLora(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: QkvGroup, dtype: torch.dtype, runtime: LoraRuntime, casts, scalings, *masters):
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             a_cat = torch.cat([a for a, _ in casts])
             xz, z = fold_input(x2, a_cat)
             for fold, (_, sb) in zip(group.folds, casts):
                 fold.extended(sb)
-            y = folded_product(xz, group.weight, None if group.bias is None else group.bias.to(dtype))
+            y = folded_product(xz, group.weight, None if group.bias is None else as_dtype(group.bias, dtype))
             source = source_of(x)  # x is a norm's output: its inputs and z stand for xz (recompute_norm)
             xz, z = (xz, None) if source is None else (x2, z)
         ctx.save_for_backward(*keep(xz, source), z, group.weight, a_cat)
@@ -172,11 +173,11 @@ class _QkvLora(torch.autograd.Function):
         n = w.shape[1] - a_cat.shape[0]
         x2, z = restore_folded(kept, z, n, a_cat.dtype, ctx.norm)
         t = x2.shape[0]
-        g = torch.cat([x2.new_zeros(t, o) if g_i is None else g_i.reshape(t, o).to(x2.dtype)
+        g = torch.cat([x2.new_zeros(t, o) if g_i is None else as_dtype(g_i.reshape(t, o), x2.dtype)
                        for g_i, o in zip(grads, ctx.outs)], dim=1)
         if ctx.needs_input_grad[0]:
             grad_x, dz = folded_input_grad([g], [w], n, a_cat)
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
         else:
             grad_x, dz = None, g @ w[:, n:]
         param_grads, o, r = [], 0, 0

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from backends.training.kernels.fused_lora import (
     PLAIN,
     LoraRuntime,
+    as_dtype,
     cached_parts,
     cast_parts,
     compute_dtype,
@@ -132,7 +133,7 @@ class _LoraSwiGLU(torch.autograd.Function):
                 down_w, down_a, down_b):
         gate_fold, up_fold, down_fold = folds
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             gw, _, ga, gsb = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
             uw, _, ua, usb = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)
             dw, _, da, dsb = cast_parts(down_w, None, down_a, down_b, scalings[2], dtype, runtime.casts)
@@ -178,7 +179,7 @@ class _LoraSwiGLU(torch.autograd.Function):
         kept, (z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da, dsb, a_pair) = saved[:3], saved[3:]
         s_gate, s_up, s_down = ctx.scalings
         gate_fp8, up_fp8, down_fp8 = ctx.fp8
-        dy = grad.reshape(-1, grad.shape[-1]).to(g.dtype)
+        dy = as_dtype(grad.reshape(-1, grad.shape[-1]), g.dtype)
         if ctx.fold_down:
             dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
         else:
@@ -206,7 +207,7 @@ class _LoraSwiGLU(torch.autograd.Function):
                 grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8)
                 grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=grad_x, fp8=up_fp8)
         if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
         gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters,
                                       needs[8:10])
         up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[11:13])

@@ -146,3 +146,12 @@ def test_cached_parts_are_reused_until_what_fusable_parts_reads_changes():
     layer.base_layer.weight.requires_grad_(True)  # a trainable base weight is not fusable
     assert cached_parts(layer) is None
     assert cached_parts(torch.nn.Linear(2, 2)) is None  # no LoRA layer at all
+
+
+def test_as_dtype_is_to_without_the_call_where_nothing_changes():
+    from backends.training.kernels.fused_lora import as_dtype
+
+    t = torch.arange(6.0).reshape(2, 3)
+    assert as_dtype(t, torch.float32) is t and t.to(torch.float32) is t  # what `to` itself returns
+    half = as_dtype(t, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, t.to(torch.bfloat16))
