@@ -73,6 +73,7 @@ from backends.training.kernels.fused_lora import (
     LoraParts,
     LoraRuntime,
     as_dtype,
+    autocast_off,
     cached_parts,
     compute_dtype,
     lora_param_grads,
@@ -150,7 +151,7 @@ def _stamp(x: torch.Tensor) -> tuple:
 class _QkvLora(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: QkvGroup, dtype: torch.dtype, runtime: LoraRuntime, casts, scalings, *masters):
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             a_cat = torch.cat([a for a, _ in casts])
             xz, z = fold_input(x2, a_cat)

@@ -48,6 +48,7 @@ from backends.training.kernels.fused_lora import (
     PLAIN,
     LoraRuntime,
     as_dtype,
+    autocast_off,
     cached_parts,
     cast_parts,
     compute_dtype,
@@ -132,7 +133,7 @@ class _LoraSwiGLU(torch.autograd.Function):
     def forward(ctx, x, scalings, dtype, compile, runtime, folds, fp8s, gate_w, gate_a, gate_b, up_w, up_a, up_b,
                 down_w, down_a, down_b):
         gate_fold, up_fold, down_fold = folds
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             gw, _, ga, gsb = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
             uw, _, ua, usb = cast_parts(up_w, None, up_a, up_b, scalings[1], dtype, runtime.casts)

@@ -155,3 +155,21 @@ def test_as_dtype_is_to_without_the_call_where_nothing_changes():
     assert as_dtype(t, torch.float32) is t and t.to(torch.float32) is t  # what `to` itself returns
     half = as_dtype(t, torch.bfloat16)
     assert half.dtype == torch.bfloat16 and torch.equal(half, t.to(torch.bfloat16))
+
+
+def test_autocast_off_switches_autocast_off_inside_and_back_on_after():
+    from backends.training.kernels.fused_lora import autocast_off
+
+    x = torch.randn(3, 4)
+    with autocast_off("cpu"):  # off outside: nothing to do
+        assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ x.t()).dtype == torch.bfloat16
+        with autocast_off("cpu"):
+            assert not torch.is_autocast_enabled("cpu") and (x @ x.t()).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        with pytest.raises(ValueError), autocast_off("cpu"):
+            raise ValueError
+        assert torch.is_autocast_enabled("cpu") and (x @ x.t()).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
