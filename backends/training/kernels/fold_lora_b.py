@@ -90,8 +90,9 @@ class FoldedWeight:
     def fits(self, weight: torch.Tensor, sb: torch.Tensor) -> bool:
         """Whether a call can run folded: ``weight`` still lives in the buffer (nothing gave the module another
         tensor since) and ``sb`` has the buffer's dtype and this module's rank."""
-        return (weight.device == self.buffer.device and weight.data_ptr() == self.buffer.data_ptr()
-                and sb.dtype == self.buffer.dtype and tuple(sb.shape) == (self.buffer.shape[0], self.rank))
+        buffer = self.buffer  # the cheap comparisons first: each call of a folded op asks
+        return (weight.data_ptr() == buffer.data_ptr() and sb.dtype == buffer.dtype
+                and sb.shape == (buffer.shape[0], self.rank) and weight.device == buffer.device)
 
     def extended(self, sb: torch.Tensor) -> torch.Tensor:
         """W_ext = [W | .. (sB)_c ..], the tail rewritten unless ``sb`` is the tensor last written."""
@@ -104,11 +105,15 @@ class FoldedWeight:
 def runs_folded(folds, weights, sbs) -> bool:
     """Whether modules run as one folded group: folded together in this order (offsets 0, r_1, r_1 + r_2, ...) and
     every call fits (``FoldedWeight.fits``); one module is a group of one."""
-    if any(f is None for f in folds):
-        return False
-    offsets = [sum(f.rank for f in folds[:i]) for i in range(len(folds) + 1)]
-    return all(f.width == offsets[-1] and f.offset == o and f.fits(w, sb)
-               for f, o, w, sb in zip(folds, offsets, weights, sbs))
+    offset = 0  # a plain loop: the folded ops ask per call, and the comprehensions' frames cost more than the checks
+    for f in folds:
+        if f is None or f.offset != offset:
+            return False
+        offset += f.rank
+    for f, w, sb in zip(folds, weights, sbs):
+        if f.width != offset or not f.fits(w, sb):
+            return False
+    return True
 
 
 def pays(outs: list[int], in_features: int, ranks: list[int]) -> bool:

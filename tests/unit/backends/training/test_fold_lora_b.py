@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends.training.config import TrainerConfig
-from backends.training.kernels.fold_lora_b import FoldedWeight, fold_linears, fold_model, pays
+from backends.training.kernels.fold_lora_b import FoldedWeight, fold_linears, fold_model, pays, runs_folded
 from backends.training.kernels.fused_lora import LoraParts, LoraRuntime, fusable_parts, lora_linear
 from backends.training.kernels.lean_ops import lora_swiglu
 from backends.training.kernels.lora_cast_cache import CastCache, cast_lora
@@ -285,3 +285,20 @@ def test_peft_merges_into_and_out_of_a_folded_weight(tiny_model_path):
     # peft merged in place: the weights still live in their buffers, so the next forwards run folded
     assert all(m.weight.data_ptr() == m._trajflow_fold.buffer.data_ptr() for m in trainer._lm.modules()
                if isinstance(getattr(m, "_trajflow_fold", None), FoldedWeight))
+
+
+def test_runs_folded_only_for_the_group_in_its_order_with_fitting_calls():
+    gate, up, alone = torch.nn.Linear(6, 10, bias=False), torch.nn.Linear(6, 10, bias=False), torch.nn.Linear(6, 4)
+    for m in (gate, up, alone):
+        m.weight.requires_grad_(False)
+    folds = fold_linears([gate, up], [2, 3])
+    (single,) = fold_linears([alone], [2])
+    weights, sbs = [gate.weight, up.weight], [torch.zeros(10, 2), torch.zeros(10, 3)]
+    assert runs_folded(folds, weights, sbs)
+    assert runs_folded([single], [alone.weight], [torch.zeros(4, 2)])
+    assert not runs_folded(folds[::-1], weights[::-1], sbs[::-1])  # not the order they were folded in
+    assert not runs_folded(folds[:1], weights[:1], sbs[:1])  # a part of a group is not the group
+    assert not runs_folded([folds[0], None], weights, sbs)
+    assert not runs_folded(folds, weights, [sbs[0], torch.zeros(10, 3, dtype=torch.float64)])  # another dtype
+    assert not runs_folded(folds, weights, [sbs[0], torch.zeros(10, 2)])  # another rank
+    assert not runs_folded(folds, [gate.weight, up.weight.clone()], sbs)  # a weight that left its buffer
