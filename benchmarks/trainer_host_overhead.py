@@ -17,11 +17,11 @@ Variants (each its own trainer, float32, the CPU's numerics):
 - ``plain-peft``: stock transformers + peft (fused_lora, memory_efficient_ops, fused_rope off): what stock costs.
 
 Per micro-batch: wall ms (median of ``--repeats`` medians over ``--micro-batches`` each; the machine is shared, so
-also the thread's CPU ms, which another process's load inflates less), ms per layer, Python
-function calls (cProfile) and aten ops (torch.profiler: every ``aten::`` event, and the top-level ones, i.e. those
-not inside another aten op: the dispatches our code and the libraries make) per layer, and the top cProfile entries
-by tottime. Not timed: the CPU-only ``release_freed_memory`` (malloc_trim) before each micro-batch, which the GPU
-path does not run (no-op'd here).
+also the thread's CPU ms and the fastest micro-batch of all, which another process's load inflates least), ms per
+layer, Python function calls (cProfile) and aten ops (torch.profiler: every ``aten::`` event, and the top-level
+ones, i.e. those not inside another aten op: the dispatches our code and the libraries make) per layer, and the top
+cProfile entries by tottime. Not timed: the CPU-only ``release_freed_memory`` (malloc_trim) before each
+micro-batch, which the GPU path does not run (no-op'd here).
 
     python benchmarks/trainer_host_overhead.py --out benchmarks/results/trainer-host-overhead-cpu.json
     # the same run, labelled as the state before a change, kept in the same files:
@@ -96,7 +96,7 @@ def measure(name: str, settings: dict, fold: bool, args) -> dict:
     with trainer.lora_casts_scope():
         for _ in range(5):  # first calls: lazy inits, caches
             run_one(trainer, mb)
-        medians, cpu_medians = [], []
+        medians, cpu_medians, fastest = [], [], []
         for _ in range(args.repeats):
             times, cpu = [], []
             for _ in range(args.micro_batches):
@@ -105,6 +105,7 @@ def measure(name: str, settings: dict, fold: bool, args) -> dict:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.thread_time() - c0)
             medians.append(statistics.median(times))
+            fastest.append(min(times))
             cpu_medians.append(statistics.median(cpu))
         prof = cProfile.Profile()
         prof.enable()
@@ -133,7 +134,7 @@ def measure(name: str, settings: dict, fold: bool, args) -> dict:
         "folded_lora_layers": trainer.folded_lora_layers, "patched_ops": trainer.patched_ops,
         "fused_rope_layers": trainer.fused_rope_layers, "tokens": mb.tokens,
         "wall_ms": wall * 1e3, "wall_ms_repeats": [m * 1e3 for m in medians], "ms_per_layer": wall * 1e3 / layers,
-        "thread_cpu_ms": statistics.median(cpu_medians) * 1e3,
+        "thread_cpu_ms": statistics.median(cpu_medians) * 1e3, "min_ms": min(fastest) * 1e3,
         "python_calls": calls, "python_calls_per_layer": calls / layers,
         "aten_ops": len(aten), "aten_ops_per_layer": len(aten) / layers,
         "aten_top_level_ops": len(top_level), "aten_top_level_ops_per_layer": len(top_level) / layers,
@@ -146,12 +147,13 @@ def markdown(out: dict) -> str:
     lines = [f"# Trainer host time per micro-batch (CPU, {out['shape']['num_hidden_layers']} layers, tiny widths)", "",
              f"`{out['command']}`", "", f"versions: {out['versions']}", ""]
     for label, results in out["runs"].items():
-        lines += [f"## {label}", "", "| variant | wall ms | thread CPU ms | ms/layer | Python calls/layer | "
-                  "aten ops/layer | top-level aten ops/layer | repeats (ms) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {label}", "", "| variant | wall ms | thread CPU ms | min ms | ms/layer | Python calls/layer | "
+                  "aten ops/layer | top-level aten ops/layer | repeats (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for name, r in results.items():
             reps = ", ".join(f"{x:.1f}" for x in r["wall_ms_repeats"])
-            lines.append(f"| {name} | {r['wall_ms']:.1f} | {r['thread_cpu_ms']:.1f} | {r['ms_per_layer']:.3f} "
-                         f"| {r['python_calls_per_layer']:.0f} | {r['aten_ops_per_layer']:.0f} "
+            lines.append(f"| {name} | {r['wall_ms']:.1f} | {r['thread_cpu_ms']:.1f} | {r['min_ms']:.1f} "
+                         f"| {r['ms_per_layer']:.3f} | {r['python_calls_per_layer']:.0f} "
+                         f"| {r['aten_ops_per_layer']:.0f} "
                          f"| {r['aten_top_level_ops_per_layer']:.0f} | {reps} |")
         for name, r in results.items():
             lines += ["", f"Top cProfile entries by tottime, {name} (one micro-batch, profiled):", "",
@@ -159,7 +161,7 @@ def markdown(out: dict) -> str:
             lines += [f"| `{t['function']}` | {t['calls']} | {t['tottime_ms']:.2f} | {t['cumtime_ms']:.2f} |"
                       for t in r["top_tottime"]]
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + out.get("notes", [])) + "\n"
 
 
 def main() -> None:
@@ -168,7 +170,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--micro-batches", type=int, default=10, help="timed micro-batches per repeat")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--label", default="now", help="name of this run in the output (an existing file keeps others)")
+    ap.add_argument("--label", default="now", help="name of this run in the output (an existing file keeps other "
+                    "labels and its 'notes', markdown lines printed at the end)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None, help="JSON path; the .md beside it")
     args = ap.parse_args()
@@ -181,8 +184,9 @@ def main() -> None:
         settings, fold = VARIANTS[name]
         results[name] = measure(name, settings, fold, args)
         r = results[name]
-        print(f"{name}: {r['wall_ms']:.1f} ms/micro-batch, {r['ms_per_layer']:.3f} ms/layer, "
-              f"{r['python_calls_per_layer']:.0f} Python calls/layer, {r['aten_ops_per_layer']:.0f} aten ops/layer "
+        print(f"{name}: {r['wall_ms']:.1f} ms/micro-batch (fastest {r['min_ms']:.1f}), {r['ms_per_layer']:.3f} "
+              f"ms/layer, {r['python_calls_per_layer']:.0f} Python calls/layer, "
+              f"{r['aten_ops_per_layer']:.0f} aten ops/layer "
               f"({r['aten_top_level_ops_per_layer']:.0f} top-level)", flush=True)
     out = {"command": "python benchmarks/trainer_host_overhead.py" + "".join(
                f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ap.get_default(k)),
@@ -190,8 +194,9 @@ def main() -> None:
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "peft": peft.__version__},
            "runs": {}}
-    if args.out and Path(args.out).exists():
-        out["runs"] = json.loads(Path(args.out).read_text()).get("runs", {})
+    if args.out and Path(args.out).exists():  # other labels' runs and the reader's notes stay
+        old = json.loads(Path(args.out).read_text())
+        out = {**old, **out, "runs": old.get("runs", {})}
     out["runs"][args.label] = results
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
