@@ -250,7 +250,9 @@ class TrainerConfig(BaseModel):
         "The three frozen weights and biases move once into one buffer (no second copy). Same function up to "
         "rounding; where a call cannot run grouped (adapter disabled, another dtype) each module runs alone. "
         "Llama, Qwen2, Qwen3, Mistral attention only; q, k, v are then never folded by `fold_lora_b`; off while "
-        "`fp8_base` is on. 'auto': off until measured on the H200 (run `group-qkv+warm-up`).",
+        "`fp8_base` is on. 'auto': off: on the H200 (16k-token micro-batches, fresh processes) 43,506 tokens/s steady "
+        "and 41,490 first in process against 42,660 / 42,074 off in the same call, within the steps' spread "
+        "(benchmarks/results/training-h200.md).",
     )
     fp8_base: Switch = Field(
         default="off",
@@ -279,7 +281,8 @@ class TrainerConfig(BaseModel):
         "shape, bf16: 6,144 bytes per token and layer less (counted on the CPU: 61,624 -> 55,480; "
         "benchmarks/results/norm-recompute-cpu.md); on the H200 the peak of 16k-token micro-batches 30.2 -> 27.6 GiB "
         "for 2.3% of tokens/s (44,106 vs 45,132 steady, same call; then one pass per reading op, four a layer), "
-        "and 24k-token micro-batches fit in 39.0 GiB (42.9 off) at 46,136 tokens/s steady, 45,873 first in process (benchmarks/results/training-h200.md). "
+        "and 24k-token micro-batches fit in 39.0 GiB (42.9 off) at 46,136 tokens/s steady, 45,873 first in process "
+        "(benchmarks/results/training-h200.md). "
         "'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA); never with fp8_base (its steps were "
         "not the same bits on the H200).",
     )
