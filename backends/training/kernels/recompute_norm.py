@@ -35,7 +35,7 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -60,17 +60,17 @@ class Recompute:
 
 @dataclass(frozen=True)
 class NormSource:
-    """What a norm's output n is made of: its input ``x``, ``weight``, ``rstd``, whether its kernel is compiled, and
-    the recomputation its readers share."""
+    """What a norm's output n is made of: its input ``x``, ``weight``, ``rstd``, and the recomputation its readers
+    share (with ``compile``: whether the norm's kernel is compiled, so the recomputation's is too)."""
 
     x: torch.Tensor
     weight: torch.Tensor
     rstd: torch.Tensor
-    compile: bool
+    compile: InitVar[bool]
     shared: Recompute = field(init=False, compare=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "shared", Recompute(self.compile))
+    def __post_init__(self, compile: bool):
+        object.__setattr__(self, "shared", Recompute(compile))
 
 
 def mark(n: torch.Tensor, source: NormSource) -> torch.Tensor:
