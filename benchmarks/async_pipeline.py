@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from backends.serving.managed_process import free_port  # noqa: E402 - after the path
 
 IDLE_UTILIZATION = 5  # percent: a sample at or below it counts as idle
 SAMPLE_S = 0.2
@@ -102,17 +103,11 @@ class GpuSampler:
                 "gpu_utilization_mean": statistics.fmean(window), "gpu_samples": len(window)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class PrefectServer:
     """One local Prefect API for every run (each flow would otherwise start its own ephemeral one, ~15 s)."""
 
     def __init__(self, home: Path):
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "DO_NOT_TRACK": "1"}

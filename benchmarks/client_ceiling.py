@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=256)
     args = ap.parse_args(argv)
     from benchmarks.inference import hardware, versions
-    from benchmarks.inference_vllm import free_port
+    from backends.serving.managed_process import free_port
     from benchmarks.serving_overhead import build_folder
 
     work = Path(tempfile.mkdtemp(prefix="client-ceiling-"))
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     vocab = facts["tokenizer_vocab"]
     load = Load("c64", 64, args.requests, 128, 128)
     answer, stream = record(folder, adapter, vocab, load, work)
-    port = free_port()
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.instant_server", "--port", str(port), "--answer",
                                str(answer), "--stream", str(stream)], cwd=REPO)

@@ -59,7 +59,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,6 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.inference import QWEN05_SHAPE, decode_kernel_profile, graph_step_times, hardware, random_lora, versions
 from benchmarks.load_client import ADAPTER, Load, closed_loop, default_processes, prompt_ids, quantiles
+from backends.serving.managed_process import free_port, log_tail
 
 SERVED = "base"
 TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -116,26 +116,13 @@ def build_model_folder(root: Path, smoke: bool, lora_rank: int) -> tuple[Path, P
 
 
 # -- servers ---------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
 class EmbeddedServer:
     """`trajflow serve` in a subprocess (its own interpreter and GIL); `launcher` replaces ``-m flows.cli`` (the
     serving-overhead benchmark's stand-in wrapper takes the same `serve` arguments after its own)."""
 
     def __init__(self, folder: Path, device: str, max_batch: int, max_seq_len: int, log: Path,
                  launcher: tuple[str, ...] = ("-m", "flows.cli"), engine: dict[str, str] | None = None):
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, *launcher, "serve", "--model", str(folder), "--device", device,
@@ -155,7 +142,7 @@ class EmbeddedServer:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.process.poll() is not None:
-                raise RuntimeError(f"trajflow serve exited with {self.process.returncode}:\n{log_tail(self.log)}")
+                raise RuntimeError(f"trajflow serve exited with {self.process.returncode}:\n{log_tail(self.log, 30)}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -163,7 +150,7 @@ class EmbeddedServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"trajflow serve not healthy within {timeout} s:\n{log_tail(self.log)}")
+        raise RuntimeError(f"trajflow serve not healthy within {timeout} s:\n{log_tail(self.log, 30)}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -481,7 +468,7 @@ def main(argv=None) -> int:
             report["timings_s"][f"embedded_start{suffix}"] = round(time.monotonic() - t0, 1)
             asyncio.run(measure(name, server.url, loads, vocab, True, rows.append, passes))
         except Exception as e:  # noqa: BLE001
-            report["errors"][name] = f"{type(e).__name__}: {e}\n{log_tail(server.log)}"
+            report["errors"][name] = f"{type(e).__name__}: {e}\n{log_tail(server.log, 30)}"
         finally:
             server.stop()
         phase(f"embedded{suffix}", t0)

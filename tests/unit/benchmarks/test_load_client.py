@@ -11,8 +11,9 @@ import time
 
 import httpx
 
+from backends.serving.managed_process import free_port
 from benchmarks import load_client
-from benchmarks.inference_vllm import free_port, median_pass
+from benchmarks.inference_vllm import median_pass
 from benchmarks.instant_server import events
 from benchmarks.load_client import Load, closed_loop, default_processes
 from tests.paths import REPO
@@ -33,7 +34,7 @@ def _recorded(tmp_path):
 
 def _serve(tmp_path):
     answer, stream = _recorded(tmp_path)
-    port = free_port()
+    port = free_port("127.0.0.1")
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.instant_server", "--port", str(port), "--answer",
                                str(answer), "--stream", str(stream)], cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -68,7 +69,7 @@ def test_passes_in_one_and_in_several_processes_count_every_request_once(tmp_pat
 def test_a_failing_client_process_fails_the_pass(tmp_path):
     load = Load("t", 4, 4, 8, TOKENS)
     try:
-        asyncio.run(closed_loop(f"http://127.0.0.1:{free_port()}", load, "p", 4, 100, True, False, 2))
+        asyncio.run(closed_loop(f"http://127.0.0.1:{free_port('127.0.0.1')}", load, "p", 4, 100, True, False, 2))
     except RuntimeError as e:
         assert "client processes failed" in str(e)
     else:
