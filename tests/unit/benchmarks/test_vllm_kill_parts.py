@@ -15,6 +15,10 @@ from benchmarks import vllm_kill
 SLEEPER = "import sys, time; time.sleep(60)"
 
 
+def _both_started(found: dict[int, str]) -> bool:
+    return sorted(cmd.split()[-1] for cmd in found.values() if SLEEPER in cmd) == ["model", "other"]
+
+
 def test_finds_the_serve_group_below_a_process_and_nothing_else():
     # a stand-in "flow": it starts a `serve` child in a new session (like the launcher) and a plain child
     parent = subprocess.Popen([sys.executable, "-c", (
@@ -24,7 +28,8 @@ def test_finds_the_serve_group_below_a_process_and_nothing_else():
         "time.sleep(60)\n")])
     try:
         deadline = time.time() + 20
-        while len(vllm_kill.descendants(parent.pid)) < 2 and time.time() < deadline:
+        # both children exec'd: a child just forked still shows its parent's command line, without 'serve'
+        while not _both_started(vllm_kill.descendants(parent.pid)) and time.time() < deadline:
             time.sleep(0.05)
         found = vllm_kill.descendants(parent.pid)
         assert len(found) == 2
