@@ -10,16 +10,22 @@ Two costs compete (benchmarks/results/training-h200.md, varlen-h200.md, on the H
   first, rows padded to a multiple of the bucket b so its plans are reused) took 726 ms of GPU time per step for the
   attention forward + backward against 1,260 ms for FlashAttention-2 varlen (1.74x; steps 1.12-1.17x faster).
 
-The rule for 'auto' where varlen can run, with T = ``TrainerConfig.long_row_tokens``:
+The rule for 'auto' where varlen can run, with T = ``TrainerConfig.long_row_tokens`` and the micro-batch's R rows
+of n_r tokens:
 
-    path(micro-batch) = rows with cuDNN, bucket b    if min_r n_r >= T
+    path(micro-batch) = rows with cuDNN, bucket b    if sum_r n_r^2 >= R * T^2   (the rows' quadratic mean >= T)
                         varlen                         otherwise
 
-The shortest row decides, not the mean: every per-row call then carries at least T tokens, a row's padding is at
-most ``(b - 1) / T`` of its length (its attention FLOPs, quadratic, at most ``((T + b - 1) / T)^2`` of its own:
-1.56x at T = 2048, b = 512, below cuDNN's 1.74x), and the padded lengths such a micro-batch can meet are bounded
-below by ``bucketed(T, b)``, so the warm-up builds plans for those only. A micro-batch mixing long and short rows
-(a first-fit-decreasing bin topped up with short rows) stays on varlen, the path measured at both shapes.
+Why the quadratic mean: what cuDNN saves grows with each row's attention FLOPs (n_r^2), what the per-row calls cost
+the host grows with R, so the rows' mean n^2 against T^2 weighs one against the other. Long rows topped up with a
+few short ones (first-fit-decreasing bins: rows of 14,386, 8,101 and 1,731 tokens) run on cuDNN, where a rule on the
+shortest row sent them to varlen, which took 10.3 ms per layer for such a micro-batch on the H200 against ~6 on cuDNN
+(``benchmarks/results/ragged-attention-h200.json``: 8.45 against 6.47 ms for rows of 377-12,007 tokens). Many short
+rows (the main job's ~500 of ~40 tokens) and one long row among many short ones stay on varlen. The padding stays
+bounded: a row of n padded to at most n + b adds at most 2nb + b^2 FLOPs, so over the micro-batch at most
+``(2b mean(n) + R b^2) / sum(n^2) <= 2b/T + (b/T)^2`` of its attention (0.56 at T = 2048, b = 512, below cuDNN's
+1.74x), less as the mean grows. A row of the long mode can be any length from 1 token up, so the warm-up builds the
+plans of every padded length b, 2b, ... within the budget.
 
 Every other setting is one mode for every micro-batch, as before: 'varlen', 'flash', 'sdpa-default', 'cudnn', and
 'auto' where varlen cannot run (float32, a torch without ``varlen_attn``); off CUDA the CPU's one path.
@@ -51,8 +57,8 @@ class AttentionMode:
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """A trainer's attention: ``usual`` for every micro-batch, except those whose shortest row has at least
-    ``long_row_tokens`` tokens, which run ``long`` where there is one ('auto' on CUDA where varlen can run)."""
+    """A trainer's attention: ``usual`` for every micro-batch, except those whose rows' quadratic mean length is at
+    least ``long_row_tokens``, which run ``long`` where there is one ('auto' on CUDA where varlen can run)."""
 
     usual: AttentionMode
     long: AttentionMode | None = None
@@ -80,7 +86,8 @@ class AttentionChoice:
 
     def mode(self, lengths: Sequence[int]) -> AttentionMode:
         """The mode for a micro-batch of rows of these lengths (the rule in the module docstring)."""
-        if self.long is not None and lengths and min(lengths) >= self.long_row_tokens:
+        long = self.long is not None and lengths
+        if long and sum(n * n for n in lengths) >= len(lengths) * self.long_row_tokens ** 2:
             return self.long
         return self.usual
 
@@ -90,20 +97,20 @@ class AttentionChoice:
 
     def padded_lengths(self, budget: int) -> tuple[AttentionMode | None, list[int]]:
         """The bucketed mode, if any, and every padded length a row of a micro-batch within ``budget`` tokens can
-        run at on it: b, 2b, ..., ``bucketed(budget, b)``, from ``bucketed(long_row_tokens, b)`` for the long mode
-        ((None, []) where there is none). A row over the budget goes alone and is not counted."""
+        run at on it: b, 2b, ..., ``bucketed(budget, b)`` ((None, []) where there is none, or where no micro-batch
+        within the budget can be long: ``long_row_tokens`` over it). A row over the budget goes alone and is not
+        counted."""
         if self.long is not None and self.long.bucket > 1:
-            mode, first = self.long, bucketed(self.long_row_tokens, self.long.bucket)
-        elif self.usual.bucket > 1:
-            mode, first = self.usual, self.usual.bucket
+            mode = self.long if self.long_row_tokens <= budget else None
         else:
+            mode = self.usual if self.usual.bucket > 1 else None
+        if mode is None:
             return None, []
-        lengths = list(range(first, bucketed(budget, mode.bucket) + 1, mode.bucket))
-        return (mode, lengths) if lengths else (None, [])
+        return mode, list(range(mode.bucket, bucketed(budget, mode.bucket) + 1, mode.bucket))
 
     def describe(self) -> str:
         """``usual``'s path, and the long mode's rule where there is one (for benchmarks' records)."""
         if self.long is None:
             return self.usual.path
-        return f"{self.usual.path}; {self.long.path} (cudnn, bucket {self.long.bucket}) where every row >= " \
-               f"{self.long_row_tokens} tokens"
+        return f"{self.usual.path}; {self.long.path} (cudnn, bucket {self.long.bucket}) where the rows' quadratic " \
+               f"mean >= {self.long_row_tokens} tokens"

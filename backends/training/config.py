@@ -314,7 +314,7 @@ class TrainerConfig(BaseModel):
         "cuDNN first (then flash, efficient, math), each row zero-padded at its end to a multiple of "
         "attention_bucket so its plan is reused, and every bucket's plan built by the warm-up (exact: causal "
         "attention, the padding's outputs dropped). 'auto': where 'varlen' can run, chosen per micro-batch: 'cudnn' "
-        "(bucketed rows) when every row has at least long_row_tokens tokens, 'varlen' otherwise "
+        "(bucketed rows) when the rows' quadratic mean length is at least long_row_tokens, 'varlen' otherwise "
         "(backends/training/attention_choice.py; per-row calls cost on short rows, cuDNN wins on long ones: "
         "its measurement as 'auto' on the H200 is still to do); 'flash' where varlen cannot run. The CPU "
         "ignores the kernel choice: one SDPA call per row (one call per layer with a block-diagonal mask was 3.7x "
@@ -330,14 +330,15 @@ class TrainerConfig(BaseModel):
     )
     long_row_tokens: int = Field(
         default=2048, ge=1,
-        description="With attention_kernel 'auto' on CUDA (where varlen can run): a micro-batch whose SHORTEST row has "
-        "at least this many tokens runs the 'cudnn' path (one SDPA call per row, cuDNN first, rows padded to "
-        "attention_bucket), any other the 'varlen' one; the warm-up builds cuDNN plans for the padded lengths from "
-        "here up to the micro-batch budget only. On the H200, cuDNN's attention forward + backward was 1.74x "
-        "faster than varlen on rows of 2k-16k tokens, while per-row calls made the update 7x slower on ~40-token "
-        "rows (benchmarks/results/training-h200.md, varlen-h200.md). 2048: the bottom of the measured winning range, "
-        "where a row's padding (under 512 tokens) adds at most 1.56x to its attention FLOPs, below cuDNN's gain; "
-        "1024 could lose (up to 2.25x). Lower it to try shorter rows on cuDNN, raise it to keep varlen.",
+        description="With attention_kernel 'auto' on CUDA (where varlen can run): a micro-batch whose rows' "
+        "quadratic mean length sqrt(sum n^2 / rows) is at least this runs the 'cudnn' path (one SDPA call per row, "
+        "cuDNN first, rows padded to attention_bucket), any other the 'varlen' one: what cuDNN saves grows with "
+        "each row's n^2, what the per-row calls cost with their number (backends/training/attention_choice.py). "
+        "On the H200, cuDNN's attention forward + backward was 1.5-1.8x faster than varlen on rows of 2k-16k "
+        "tokens (also with a few short rows among them), while per-row calls made the update 7x slower on ~40-token "
+        "rows (benchmarks/results/training-h200.md, varlen-h200.md, ragged-attention-h200.json). 2048: padding "
+        "then adds at most 2b/T + (b/T)^2 = 56% to a long micro-batch's attention FLOPs at b = 512, below cuDNN's "
+        "gain. Lower it to send more micro-batches to cuDNN, raise it to keep varlen.",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,

@@ -533,14 +533,14 @@ class GRPOTrainer:
         then a smaller one, each split into rows of different lengths (``_warm_up_lengths``), token ids ``i % vocab``
         (no random draw); their lengths pick their attention mode as a step's would.
 
-        Padded rows (a bucketed mode: 'cudnn', or 'auto''s long micro-batches on CUDA) then get their cuDNN plans:
-        for every padded length a row within the budget can run at (``AttentionChoice.padded_lengths``: b, 2b, ...,
-        ``bucketed(micro_batch_tokens, b)``, for 'auto' from ``bucketed(long_row_tokens, b)``) ONE attention forward
-        + backward through the first decoder layer's attention (``packed_attention.build_row_plans``; every layer
-        has the same shapes), so every plan, forward and backward, a row within the budget can need exists before
-        step 0, for the attention's cost alone. Not built: a longer row's (it goes alone) and those of forwards
-        without gradient (no softmax statistics: another plan). The CPU has no plans but runs them too where asked
-        (``warm_up: on``), as the GPU would. ``warm_up_runs`` says what ran.
+        Padded rows (a bucketed mode: 'cudnn', or 'auto''s long micro-batches on CUDA) then get their cuDNN plans: for
+        every padded length a row within the budget can run at (``AttentionChoice.padded_lengths``: b, 2b, ...,
+        ``bucketed(micro_batch_tokens, b)``; for 'auto' none where ``long_row_tokens`` is over the budget) ONE attention
+        forward + backward through the first decoder layer's attention (``packed_attention.build_row_plans``; every
+        layer has the same shapes), so every plan, forward and backward, a row within the budget can need exists before
+        step 0, for the attention's cost alone. Not built: a longer row's (it goes alone) and those of forwards without
+        gradient (no softmax statistics: another plan). The CPU has no plans but runs them too where asked (``warm_up:
+        on``), as the GPU would. ``warm_up_runs`` says what ran.
         """
         start = time.perf_counter()
         budget = self.micro_batch_tokens
@@ -574,8 +574,9 @@ class GRPOTrainer:
     def _warm_up_lengths(self, micro_batches: int) -> list[list[int]]:
         """Row lengths of the warm-up's generic micro-batches: micro-batch k holds ``budget / (k + 1)`` tokens in
         rows of 1/2, 1/3 and 1/6 of it. With two attention modes ('auto' on CUDA, ``long_row_tokens`` T within the
-        budget) the first is cut into rows of T (the last takes the rest) and the others' last row is kept under T,
-        so each mode runs once through the whole model, the long one (padded rows, more memory) at full size."""
+        budget) the first is cut into rows of T (the last takes the rest) and the others into rows of T - 1 (the
+        last takes the rest, under T), so each mode runs once through the whole model, the long one (padded rows,
+        more memory) at full size."""
         budget = self.micro_batch_tokens
         long = self.attention.long_row_tokens if self.attention is not None and self.attention.long else None
         sets = []
@@ -583,11 +584,9 @@ class GRPOTrainer:
             total = max(16, budget // (k + 1))
             lengths = [total // 2, total // 3, total - total // 2 - total // 3]
             if long is not None and long <= budget:
-                if k == 0:
-                    rows, rest = divmod(total, long)
-                    lengths = [long] * (rows - 1) + [long + rest]
-                else:
-                    lengths[-1] = max(1, min(lengths[-1], long - 1))
+                size = long if k == 0 else max(1, long - 1)
+                rows, rest = divmod(total, size)
+                lengths = [size] * (rows - 1) + [size + rest] if k == 0 else [size] * rows + ([rest] if rest else [])
             sets.append(lengths)
         return sets
 
