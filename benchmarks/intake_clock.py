@@ -1,9 +1,9 @@
 """Per-request timeline of the embedded server (benchmarks only): where a completion request's time goes between its
 arrival and its admission, and between its last token and its answer being written.
 
-`IntakeMiddleware` wraps the ASGI app and `IntakeClock.wrap_engine` the engine's `submit` and `_prefill` (instance
-attributes: nothing of the product changes); together they record, for every ``POST /v1/completions``, perf_counter
-times of:
+`IntakeMiddleware` wraps the ASGI app and `IntakeClock.wrap_engine` the engine's `submit_all` (which `submit` calls)
+and `_prefill` (instance attributes: nothing of the product changes); together they record, for every
+``POST /v1/completions``, perf_counter times of:
 
 - ``arrival``: the ASGI call starts (the request line and headers are parsed);
 - ``submit``: the engine is handed the request (body read, parsed, validated, prompts checked: on the loop or in a
@@ -44,27 +44,32 @@ class IntakeClock:
         return out
 
     def wrap_engine(self, engine) -> None:
-        clock, submit, prefill = self, engine.submit, engine._prefill
+        clock, submit_all, prefill = self, engine.submit_all, engine._prefill
 
-        def timed_submit(prompt, params, model=None, n=1, on_done=None, on_tokens=None):
+        def timed_submit_all(prompts, params, model=None, n=1, on_done=None, on_tokens=None):
             record = _current.get()
             if record is None:
-                return submit(prompt, params, model, n, on_done, on_tokens)
+                return submit_all(prompts, params, model, n, on_done, on_tokens)
 
-            def done(result):
-                record.setdefault("engine_done", time.perf_counter())
-                if on_done is not None:
-                    on_done(result)
+            def done(callback):
+                def timed(result):
+                    record.setdefault("engine_done", time.perf_counter())
+                    if callback is not None:
+                        callback(result)
+                return timed
 
-            def tokens(accepted):
-                record.setdefault("engine_first", time.perf_counter())
-                on_tokens(accepted)
+            def tokens(callback):
+                def timed(accepted):
+                    record.setdefault("engine_first", time.perf_counter())
+                    callback(accepted)
+                return timed if callback is not None else None
 
             record.setdefault("submit", time.perf_counter())
-            rid = submit(prompt, params, model, n, done, tokens if on_tokens is not None else None)
+            rids = submit_all(prompts, params, model, n, [done(c) for c in on_done or [None] * len(prompts)],
+                              [tokens(c) for c in on_tokens or [None] * len(prompts)])
             with clock.lock:
-                clock.by_id[rid] = record
-            return rid
+                clock.by_id.update(dict.fromkeys(rids, record))
+            return rids
 
         def timed_prefill(reqs):
             t0 = time.perf_counter()
@@ -77,7 +82,7 @@ class IntakeClock:
                         record.setdefault("admit", t0)
                         record.setdefault("prefilled", t1)
 
-        engine.submit, engine._prefill = timed_submit, timed_prefill
+        engine.submit_all, engine._prefill = timed_submit_all, timed_prefill
 
 
 class IntakeMiddleware:

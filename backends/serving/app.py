@@ -23,10 +23,13 @@ names that exist), 413 for a body over the size cap (`request_bodies`), 500 for 
   c=64 on this CPU (`benchmarks/streaming_standin.py`), streamed answers gave 8.1-9.6k tok/s through the pool (4
   passes) against 8.3-13.4k on the loop (6 passes; non-streamed: 9.6-13.5k).
 - **Streams are sent as tokens are decoded.** With ``stream: true`` the engine hands over each step's tokens
-  (`Engine.stream`, through the same one-wake-up-per-step hand-off as finished requests); the answer's headers and
-  first chunks go out with the first tokens (an error before them is an ordinary HTTP error), then one write per
-  batch of steps (`stream_chunks` has the chunk rules; `token_streams` reads several prompts' streams as one). An
-  error after the first chunk is sent as an ``{"error": ...}`` event before ``[DONE]``.
+  (`Engine.stream_all`, through the same one-wake-up-per-step hand-off as finished requests); the answer's headers
+  and first chunks go out with the first tokens (an error before them is an ordinary HTTP error), then one write per
+  batch of steps (`stream_chunks` has the chunk rules; `token_streams` reads the stream in batches). An error after
+  the first chunk is sent as an ``{"error": ...}`` event before ``[DONE]``.
+- **A request's prompts start together.** The prompts (times n) of a text completion go to the engine in one
+  submission (`Engine.submit_all`), streamed or not, so they are admitted and batched together: on an idle engine
+  the same request gives the same batches, and the same float32 logprobs, every time.
 - **A client that goes away cancels its request.** While a completion runs, the handler also listens for the
   client's disconnect; when it comes first, the request's sequences are aborted in the engine, mid-stream too
   (their KV and LoRA slots are freed at the engine's next iteration).
@@ -262,9 +265,10 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
             watch.cancel()
             streams.close()
 
-    async def _open(streams: list, chunks: ChunkStream) -> Opened:
-        """Start a streamed answer: wait for its first tokens (errors before them are HTTP errors)."""
-        opened = TokenStreams(streams)
+    async def _open(stream, chunks: ChunkStream) -> Opened:
+        """Start a streamed answer (`Engine.stream_all`): wait for its first tokens (errors before them are HTTP
+        errors)."""
+        opened = TokenStreams(stream)
         try:
             batch = await opened.take()
         except BaseException:
@@ -288,8 +292,8 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
     async def _chat(raw: bytes):
         req, prompt = await pool.run(_chat_prompt, raw)  # a chat template's cost is not bounded by the body's size
         if req.stream:
-            streams = [engine.stream(prompt, sampling_params(req), req.model, req.n)]
-            return req, await _open(streams, ChatChunks(req, prompt, names))
+            stream = engine.stream_all([prompt], sampling_params(req), req.model, req.n)
+            return req, await _open(stream, ChatChunks(req, prompt, names))
         completions = await engine.generate(prompt, sampling_params(req), req.model, req.n)
         return req, await _job(_small_answer([completions]), _chat_answer, req, prompt, completions)
 
@@ -304,16 +308,11 @@ def create_app(engine: Engine, api_key: str | None = None, adapter_sources: Adap
     async def _complete(raw: bytes):
         req, prompts = await _job(len(raw) <= INLINE_BODY_BYTES, _completion_prompts, raw)
         params = req.sampling_params()
+        # one submission for all prompts: they start together (module docstring); one failing aborts the others
         if req.stream:
-            streams = [engine.stream(p, params, req.model, req.n) for p in prompts]
-            return req, await _open(streams, CompletionChunks(req, prompts, names))
-        jobs = [asyncio.ensure_future(engine.generate(p, params, req.model, req.n)) for p in prompts]
-        try:
-            results = await asyncio.gather(*jobs)
-        except BaseException:
-            for job in jobs:  # one prompt failed (or the client left): abort the others rather than compute them
-                job.cancel()
-            raise
+            return req, await _open(engine.stream_all(prompts, params, req.model, req.n),
+                                    CompletionChunks(req, prompts, names))
+        results = await engine.generate_all(prompts, params, req.model, req.n)
         return req, await _job(_small_answer(results), _completion_answer, req, prompts, results)
 
     def _small_answer(results: list[list]) -> bool:

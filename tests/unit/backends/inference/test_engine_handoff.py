@@ -1,6 +1,8 @@
-"""How the engine thread hands back results and the GIL: requests finishing in one engine step wake their loop once,
-streamed requests' tokens come in that same wake-up (one per step, however many rows stream), and the engine lowers
-the interpreter's switch interval so it gets the GIL back soon after each device wait."""
+"""How requests reach the engine thread and it hands back results and the GIL: the prompts of one request
+(`submit_all`) are checked before any is queued and admitted in one prefill, their streamed answer equals the plain
+one exactly, and closing it aborts them all; requests finishing in one engine step wake their loop once, streamed
+requests' tokens come in that same wake-up (one per step, however many rows stream), and the engine lowers the
+interpreter's switch interval so it gets the GIL back soon after each device wait."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import asyncio
 
 import pytest
 
-from backends.inference.engine import Completion, Engine, EngineConfig, SamplingParams
+from backends.inference.engine import Completion, Engine, EngineConfig, RequestError, SamplingParams
+from tests.fixtures_server import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +20,54 @@ def engine(tiny_hf):
     engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=16))
     yield engine
     engine.shutdown()
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+
+
+async def _idle(engine) -> None:
+    await wait_until(lambda: engine.activity() == {"waiting": 0, "running": 0}
+                     and len(engine._free) == engine.max_batch, 30, "an idle engine")
+
+
+async def test_a_requests_prompts_are_admitted_in_one_prefill_and_stream_as_they_answer(engine):
+    params = SamplingParams(max_tokens=20, seed=4, top_logprobs=2)
+    await _idle(engine)
+    before = engine.stats["prefills"]
+    plain = await engine.generate_all(PROMPTS, params, n=2)
+    assert engine.stats["prefills"] == before + 1
+    streamed: dict[int, list] = {}
+    async for index, item in engine.stream_all(PROMPTS, params, n=2):
+        if isinstance(item[0], Completion):
+            streamed[index] = item
+    assert engine.stats["prefills"] == before + 2
+    assert [streamed[i] for i in range(len(PROMPTS))] == plain  # the same batches: the same float32 numbers
+
+
+async def test_a_bad_prompt_among_them_queues_none(engine):
+    await _idle(engine)
+    ids, requests = engine._ids, engine.stats["requests"]
+    with pytest.raises(RequestError):
+        engine.submit_all([[5, 6], [engine.vocab]], SamplingParams(max_tokens=4))
+    await asyncio.sleep(0.05)
+    assert (engine._ids, engine.stats["requests"]) == (ids, requests)
+
+
+async def test_closing_a_requests_stream_aborts_every_prompt(engine):
+    await _idle(engine)
+    stream = engine.stream_all(PROMPTS[:2], SamplingParams(max_tokens=500, ignore_eos=True, seed=5), n=2)
+    _, first = await anext(stream)
+    assert not isinstance(first[0], Completion)
+    assert engine.activity()["running"] == 4
+    await stream.aclose()
+    await _idle(engine)
+
+
+def test_an_abort_after_shutdown_is_a_no_op(tiny_hf):
+    model, tok = tiny_hf
+    engine = Engine(model, tok, "tiny-random", EngineConfig(max_batch_size=2))
+    engine.shutdown()
+    engine.abort(1)  # the request it would stop is failed already: nothing to raise
 
 
 class CountingWakeUps:

@@ -5,6 +5,7 @@ UTF-8 split across tokens, usage, a client that leaves mid-stream, and overlappe
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -122,6 +123,31 @@ def test_text_that_may_begin_a_stop_string_is_held(tiny_hf):
 
 @pytest.mark.parametrize("n", [1, 2])
 async def test_completion_deltas_equal_the_plain_answer(client, n):
+    await _assert_completion_deltas_match(client, n)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_completions_prompts_start_together_however_the_engine_thread_runs(client, tiny_server, monkeypatch,
+                                                                                    n):
+    """The server's loop paused for 50 ms after the plain answer's first hand-over to the engine: handed over one by
+    one, the first prompt would be admitted and decoded alone before the second came, while the streamed run
+    batches them together, and a logprob would differ in float32 rounding. The request's prompts start in one
+    admission whatever the engine thread does meanwhile, so the streamed answer equals the plain one exactly."""
+    engine, post, posts = tiny_server.engine, tiny_server.engine._post, []
+
+    def post_then_pause(*items):
+        post(*items)
+        posts.append(items)
+        if len(posts) == 1:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(engine, "_post", post_then_pause)
+    await _assert_completion_deltas_match(client, n)
+    assert len(posts[0]) == 2  # both prompts in the first hand-over
+
+
+async def _assert_completion_deltas_match(client, n):
+    """Two prompts with n choices each, plain then streamed: every choice's deltas add up to its plain answer."""
     kw = dict(model="tiny-random", prompt=[[5, 6, 7, 8], [9, 10, 11]], n=n, max_tokens=30, seed=4, logprobs=2)
     plain = await client.completions.create(**kw)
     stream = await client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
