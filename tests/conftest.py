@@ -20,5 +20,6 @@ os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trajflow-trackio-"
 # the run log files and the logs of the servers a run launches (tasks/support/run_logs.py), off the home folder
 os.environ.setdefault("TRAJFLOW_LOG_DIR", tempfile.mkdtemp(prefix="trajflow-logs-"))
 
-pytest_plugins = [f"tests.{name[:-3]}" for name in sorted(os.listdir(os.path.dirname(__file__)))
-                  if name.startswith("fixtures_") and name.endswith(".py")]
+pytest_plugins = ["tests.log_capture_lock"] + [
+    f"tests.{name[:-3]}" for name in sorted(os.listdir(os.path.dirname(__file__)))
+    if name.startswith("fixtures_") and name.endswith(".py")]
