@@ -90,15 +90,21 @@ def _first_bad_id(ids: Sequence[Any]) -> Any | None:
 
 
 def _check_turn(turn: SampledTurn, new_prompt: Sequence[Any], where: str) -> None:
-    """``new_prompt``: the part of the turn's prompt the row does not hold yet (the rest equals tokens checked when
-    the row took them, so a long conversation is checked once, not once per turn)."""
+    """``new_prompt``: the part of the turn's prompt the row does not hold yet. The rest compared equal, token by
+    token, to the row's tokens, checked when the row took them (the row keeps those), so a conversation is checked
+    once, not once per turn; what this lets through is a non-int number equal to an id (5.0, numpy's 5) in that part."""
     for name, ids in (("prompt_token_ids", new_prompt), ("token_ids", turn.token_ids)):
         bad = _first_bad_id(ids)
         if bad is not None:
             raise ValueError(f"{where}: {name} holds {bad!r}, not a token id")
-    if not all(map(math.isfinite, turn.logprobs)):
-        i, lp = next((i, lp) for i, lp in enumerate(turn.logprobs) if not math.isfinite(lp))
-        raise ValueError(f"{where}: sampler logprob of sampled token {i} is {lp} (must be finite)")
+    try:  # a NaN or an infinity makes the sum non-finite; so may an overflow, which the loop then clears
+        finite = math.isfinite(sum(turn.logprobs))
+    except TypeError:
+        finite = False
+    if not finite:
+        for i, lp in enumerate(turn.logprobs):
+            if not math.isfinite(lp):
+                raise ValueError(f"{where}: sampler logprob of sampled token {i} is {lp} (must be finite)")
 
 
 def history_rows(items: Iterable[Any], where: str = "history") -> tuple[list[TrainingRow], int]:

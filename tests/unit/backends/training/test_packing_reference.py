@@ -4,6 +4,7 @@ whose first token is trained."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,12 @@ def test_edge_shapes_equal_the_per_token_packing():
     pair.sampler_logprobs = [0.0, -0.0]
     assert_same_micro_batch([empty, one, pair, empty])
     assert_same_micro_batch([TrainingRow([1, 2, 3], [False, True, True], [0.0, -1.0, -2.0], advantage=1, weight=1)])
+
+
+def test_masks_of_numpy_bools_and_ints_pack_alike():
+    rows = [TrainingRow([1, 2, 3, 4], [np.False_, np.True_, np.False_, np.True_], [0.0, -1.0, 0.0, -2.0]),
+            TrainingRow([5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.25], advantage=2.0, weight=0.5)]
+    assert_same_micro_batch(rows)
 
 
 def test_a_trained_first_token_is_the_same_error():

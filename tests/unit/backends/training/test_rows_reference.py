@@ -117,6 +117,8 @@ def test_bad_turns_are_the_same_error(bad):
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
 
 
-def test_good_unusual_ids_are_accepted_as_before():
+def test_good_unusual_inputs_are_accepted_as_before():
     # bools are ints to both; a huge id is an int (the vocabulary check, not this one, rejects it)
     _same_rows([_bad_turn([1, True, 2**70], [False, 3])])
+    # logprobs whose sum overflows are still finite; integer logprobs become floats
+    _same_rows([_bad_turn([1, 2], [3, 4], [-1e308, -1e308]), _bad_turn([1, 2, 3, 4, 5], [6, 7], [-1, 0])])
