@@ -75,14 +75,36 @@ class RowStats:
         return out
 
 
-def _check_turn(turn: SampledTurn, where: str) -> None:
-    for name, ids in (("prompt_token_ids", turn.prompt_token_ids), ("token_ids", turn.token_ids)):
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0), None)
+def _first_bad_id(ids: Sequence[Any]) -> Any | None:
+    """The first element of ``ids`` that is not a token id (an ``int`` >= 0), or None.
+
+    The common all-good case is answered by two C loops: ``sum`` stays an ``int`` only over ints (a float, a numpy
+    integer or a Decimal makes it that type; a str or None raises) and ``min`` finds a negative. Any doubt runs the
+    element-by-element check, which names the culprit; a Python loop over every token cost ~3x more."""
+    try:
+        if not ids or (type(sum(ids)) is int and min(ids) >= 0):
+            return None
+    except TypeError:
+        pass
+    return next((t for t in ids if not isinstance(t, int) or t < 0), None)
+
+
+def _check_turn(turn: SampledTurn, new_prompt: Sequence[Any], where: str) -> None:
+    """``new_prompt``: the part of the turn's prompt the row does not hold yet. The rest compared equal, token by
+    token, to the row's tokens, checked when the row took them (the row keeps those), so a conversation is checked
+    once, not once per turn; what this lets through is a non-int number equal to an id (5.0, numpy's 5) in that part."""
+    for name, ids in (("prompt_token_ids", new_prompt), ("token_ids", turn.token_ids)):
+        bad = _first_bad_id(ids)
         if bad is not None:
             raise ValueError(f"{where}: {name} holds {bad!r}, not a token id")
-    for i, lp in enumerate(turn.logprobs):
-        if not math.isfinite(lp):
-            raise ValueError(f"{where}: sampler logprob of sampled token {i} is {lp} (must be finite)")
+    try:  # a NaN or an infinity makes the sum non-finite; so may an overflow, which the loop then clears
+        finite = math.isfinite(sum(turn.logprobs))
+    except TypeError:
+        finite = False
+    if not finite:
+        for i, lp in enumerate(turn.logprobs):
+            if not math.isfinite(lp):
+                raise ValueError(f"{where}: sampler logprob of sampled token {i} is {lp} (must be finite)")
 
 
 def history_rows(items: Iterable[Any], where: str = "history") -> tuple[list[TrainingRow], int]:
@@ -96,20 +118,19 @@ def history_rows(items: Iterable[Any], where: str = "history") -> tuple[list[Tra
         if not item.trainable:
             untrainable += 1
             continue
-        _check_turn(item, f"{where}, turn {k}")
         prompt = item.prompt_token_ids
-        if current is not None and len(prompt) >= len(current) and prompt[: len(current)] == current.token_ids:
-            between = prompt[len(current):]
-        else:
+        extends = current is not None and len(prompt) >= len(current) and prompt[: len(current)] == current.token_ids
+        between = prompt[len(current):] if extends else prompt
+        _check_turn(item, between, f"{where}, turn {k}")
+        if not extends:
             current = TrainingRow([], [], [], source=f"{where}, turn {k}")
             rows.append(current)
-            between = prompt
         current.token_ids += between
         current.loss_mask += [False] * len(between)
         current.sampler_logprobs += [0.0] * len(between)
         current.token_ids += item.token_ids
         current.loss_mask += [True] * len(item.token_ids)
-        current.sampler_logprobs += [float(x) for x in item.logprobs]
+        current.sampler_logprobs += map(float, item.logprobs)
     return rows, untrainable
 
 
