@@ -75,8 +75,9 @@ class RowStats:
         return out
 
 
-def _first_bad_id(ids: Sequence[Any]) -> Any | None:
-    """The first element of ``ids`` that is not a token id (an ``int`` >= 0), or None.
+def _first_bad_index(ids: Sequence[Any]) -> int | None:
+    """Where the first element of ``ids`` that is not a token id (an ``int`` >= 0) is, or None (an index, so that a
+    None among the ids is found too).
 
     The common all-good case is answered by two C loops: ``sum`` stays an ``int`` only over ints (a float, a numpy
     integer or a Decimal makes it that type; a str or None raises) and ``min`` finds a negative. Any doubt runs the
@@ -86,7 +87,7 @@ def _first_bad_id(ids: Sequence[Any]) -> Any | None:
             return None
     except TypeError:
         pass
-    return next((t for t in ids if not isinstance(t, int) or t < 0), None)
+    return next((i for i, t in enumerate(ids) if not isinstance(t, int) or t < 0), None)
 
 
 def _check_turn(turn: SampledTurn, new_prompt: Sequence[Any], where: str) -> None:
@@ -94,9 +95,9 @@ def _check_turn(turn: SampledTurn, new_prompt: Sequence[Any], where: str) -> Non
     token, to the row's tokens, checked when the row took them (the row keeps those), so a conversation is checked
     once, not once per turn; what this lets through is a non-int number equal to an id (5.0, numpy's 5) in that part."""
     for name, ids in (("prompt_token_ids", new_prompt), ("token_ids", turn.token_ids)):
-        bad = _first_bad_id(ids)
+        bad = _first_bad_index(ids)
         if bad is not None:
-            raise ValueError(f"{where}: {name} holds {bad!r}, not a token id")
+            raise ValueError(f"{where}: {name} holds {ids[bad]!r}, not a token id")
     try:  # a NaN or an infinity makes the sum non-finite; so may an overflow, which the loop then clears
         finite = math.isfinite(sum(turn.logprobs))
     except TypeError:

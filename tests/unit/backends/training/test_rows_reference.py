@@ -117,6 +117,18 @@ def test_bad_turns_are_the_same_error(bad):
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
 
 
+@pytest.mark.parametrize("bad, message", [
+    ([_bad_turn([1, None, 3], [4])], "h, turn 0: prompt_token_ids holds None, not a token id"),
+    ([synthetic_turn([1, 2], [3]), _bad_turn([1, 2, 3], [None])], "h, turn 1: token_ids holds None, not a token id"),
+])
+def test_a_none_token_id_is_named(bad, message):
+    """The per-token building let None through (it was its own 'nothing bad found'); it is an error like any other
+    non-id."""
+    with pytest.raises(ValueError) as got:
+        history_rows(bad, "h")
+    assert str(got.value) == message
+
+
 def test_good_unusual_inputs_are_accepted_as_before():
     # bools are ints to both; a huge id is an int (the vocabulary check, not this one, rejects it)
     _same_rows([_bad_turn([1, True, 2**70], [False, 3])])
