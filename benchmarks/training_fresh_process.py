@@ -14,8 +14,10 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
 - ``first_in_process_tok_s``: row tokens / wall seconds of steps 1..3 of that process (the first steps after the
   one that paid the cold start);
 - ``steady_tok_s``: the same over the last ``--steady-steps`` steps (steps under ``--profile-steps`` left out of both);
-- per step: wall, GPU-busy time (CUDA events around the step), process CPU seconds, cudaMalloc calls, Dynamo
-  graph count and compile seconds, so a slow step says whether it waited for the GPU, compiled or allocated;
+- per step: wall, ``gpu_busy_s`` (CUDA events recorded at the step's start and end: the GPU's elapsed time over the
+  step, idle gaps included, so it reads as the wall unless the GPU ran behind; ``--profile-steps`` gives the busy and
+  idle split), process CPU seconds, cudaMalloc calls, Dynamo graph count and compile seconds, so a slow step says
+  whether it waited for the GPU, compiled or allocated;
 - per ``--profile-steps`` step: syncs, launches and op counts (``profile_counts``) and where the step's wall time
   goes that no kernel uses (``profile_gaps``, ``benchmarks/profile_gaps.py``: the GPU's busy and idle time, its
   largest idle gaps with what the host ran, CUDA time by category, the host threads' time and the step thread's
