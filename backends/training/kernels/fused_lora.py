@@ -141,20 +141,15 @@ def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool =
             (g.t() @ z).to(b.dtype).mul_(scaling) if needs[1] else None)
 
 
-def input_grad_and_gz(g, w, a, sb, fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None):
-    """(dL/dx, gz), gz = g sB: one product [g | gz] [W ; A] where ``row_fold`` is given (``fold_lora_a``), else
-    ``lora_input_grad``."""
-    if row_fold is not None:
-        return folded_a_input_grad(g, sb, row_fold, a)
-    gz = g @ sb
-    return lora_input_grad(g, gz, w, a, fp8=fp8), gz
-
-
 def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
                   needs=(True, True), fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None):
-    """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``; ``row_fold``: see
-    ``input_grad_and_gz``)."""
-    grad_x, gz = input_grad_and_gz(g, w, a, sb, fp8, row_fold) if need_x else (None, g @ sb)
+    """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``); with ``row_fold`` (the
+    [W ; A] buffer, ``fold_lora_a``) dL/dx and gz = g sB come from one product [g | gz] [W ; A]."""
+    if need_x and row_fold is not None:
+        grad_x, gz = folded_a_input_grad(g, sb, row_fold, a)
+    else:
+        gz = g @ sb
+        grad_x = lora_input_grad(g, gz, w, a, fp8=fp8) if need_x else None
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
@@ -168,7 +163,8 @@ class _LoraLinear(torch.autograd.Function):
             ctx.folded = runs_folded([fold], [weight], [sb])
             ctx.fp8 = None if ctx.folded else runtime.fp8_use(fp8, weight, dtype)
             # the row fold where the unfolded backward's g W is a bf16 product that can take A_c's rows
-            ctx.row_fold = None if ctx.folded or ctx.fp8 is not None else runs_row_folded(row_fold, weight, a)
+            ctx.row_fold = (runs_row_folded(row_fold, weight, a) if row_fold is not None and not ctx.folded
+                            and ctx.fp8 is None else None)
             source = source_of(x)  # x is a norm's output: its inputs stand for x2 (recompute_norm)
             if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
                 xz, z = fold_input(x2, a)
@@ -248,13 +244,13 @@ def fusable_parts(layer) -> LoraParts | None:
 
 def _parts_state(layer) -> tuple[tuple, tuple]:
     """(state, held): everything ``fusable_parts`` reads that can change on a live model, as scalars and object ids
-    (adapter switches, active and merged adapters, variants, scalings, the base weight and bias, their fold, fp8
-    copies and row fold, each adapter's A, B and dropout modules), and the objects whose ids it names. Read from the
-    modules' own dicts: ``Module.__getattr__`` is most of ``fusable_parts``' host time."""
+    (adapter switches, active and merged adapters, variants, scalings, the base weight and bias, their fold and fp8
+    copies, each adapter's A, B and dropout modules), and the objects whose ids it names. Read from the modules' own
+    dicts: ``Module.__getattr__`` is most of ``fusable_parts``' host time. The row fold (``fold_lora_a``) is not read:
+    ``fold_rows`` gives the module a new weight Parameter with it, whose id the state holds."""
     base, mods = layer._modules["base_layer"], layer._modules
     weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
-    own = base.__dict__
-    held = (weight, bias, own.get("_trajflow_fold"), own.get("_trajflow_fp8"), own.get("_trajflow_row_fold"),
+    held = (weight, bias, base.__dict__.get("_trajflow_fold"), base.__dict__.get("_trajflow_fp8"),
             *(m for key in ("lora_A", "lora_B", "lora_dropout") for m in mods[key]._modules.values()))
     active = layer._active_adapter
     state = (layer._disable_adapters, tuple(layer.merged_adapters), active if isinstance(active, str) else

@@ -54,12 +54,11 @@ from backends.training.kernels.fused_lora import (
     cached_parts,
     cast_parts,
     compute_dtype,
-    input_grad_and_gz,
     lora_forward,
     lora_input_grad,
     lora_param_grads,
 )
-from backends.training.kernels.fold_lora_a import runs_row_folded
+from backends.training.kernels.fold_lora_a import folded_a_input_grad, runs_row_folded
 from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
 from backends.training.kernels.recompute_norm import (NormSource, keep, mark, normalized, restore, restore_folded,
                                                       shared, source_of)
@@ -149,8 +148,8 @@ class _LoraSwiGLU(torch.autograd.Function):
                 None if folded else runtime.fp8_use(f, w, dtype)
                 for folded, f, w in zip((ctx.fold_pair, ctx.fold_pair, ctx.fold_down), fp8s, (gate_w, up_w, down_w))]
             # the down row fold where its unfolded backward's dy W is a bf16 product that can take A_c's rows
-            ctx.down_row_fold = (None if ctx.fold_down or down_fp8 is not None else
-                                 runs_row_folded(down_row_fold, down_w, da))
+            ctx.down_row_fold = (runs_row_folded(down_row_fold, down_w, da) if down_row_fold is not None
+                                 and not ctx.fold_down and down_fp8 is None else None)
             a_pair = z_pair = None
             source = source_of(x)
             if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
@@ -190,8 +189,11 @@ class _LoraSwiGLU(torch.autograd.Function):
         dy = as_dtype(grad.reshape(-1, grad.shape[-1]), g.dtype)
         if ctx.fold_down:
             dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
+        elif ctx.down_row_fold is not None:
+            dh, gz = folded_a_input_grad(dy, dsb, ctx.down_row_fold, da)
         else:
-            dh, gz = input_grad_and_gz(dy, dw, da, dsb, down_fp8, ctx.down_row_fold)
+            gz = dy @ dsb
+            dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8)
         grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
         del dh
         needs = ctx.needs_input_grad
