@@ -77,6 +77,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 5 --steady-steps 2 --runs $RUNS \\
         --out $OUT/training-fresh-norm-h200.json
 
+    # LoRA's A folded into the input-gradient GEMMs of down, k and v (trainer.fold_lora_a, opt-in), and cuDNN rows
+    # padded to 256 instead of the default 512, each against 24k-token micro-batches with the defaults
+    RUNS=mb24k+warm-up:cold-cache,mb24k-fold-a+warm-up:cold-cache,mb24k-b256+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-fold-a-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -118,6 +124,10 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "norm-off+warm-up": {"recompute_norm": "off"},
     "mb24k-norm-off+warm-up": {"micro_batch_tokens": 24576, "recompute_norm": "off"},
     "mb24k-group-qkv+warm-up": {"micro_batch_tokens": 24576, "group_qkv": "on"},
+    # LoRA's A folded into the base input-gradient GEMM where the input is wide (down, k, v; trainer.fold_lora_a)
+    "mb24k-fold-a+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "on"},
+    # the attention rule's cuDNN rows padded to a multiple of 256
+    "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
     # (both on by default on CUDA), together and one at a time
     "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
@@ -205,7 +215,7 @@ def child(args) -> None:
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
     # fused_lora's 'auto' is off on the CPU: the smoke turns it on for the switches that act only with it
-    if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv")):
+    if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a")):
         settings = {"fused_lora": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
@@ -287,7 +297,7 @@ def child(args) -> None:
     fp8_gap = fp8_logprob_gap(trainer, data[0], max_len) if trainer.fp8 is not None else None
     out = {"config": args.config, "settings": settings, "attention": trainer.attention_path, "fp8_logprob_gap": fp8_gap,
            "fp8_lora_layers": trainer.fp8_lora_layers, "grouped_qkv_layers": trainer.grouped_qkv_layers,
-           "recompute_norm": trainer.recompute_norm,
+           "recompute_norm": trainer.recompute_norm, "row_folded_lora_layers": trainer.row_folded_lora_layers,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
@@ -318,6 +328,7 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "warm_up_runs": run.get("warm_up_runs", {}),
         "attention": run.get("attention"), "micro_batch_tokens": run.get("micro_batch_tokens"),
         "folded_lora_layers": run.get("folded_lora_layers"),
+        "row_folded_lora_layers": run.get("row_folded_lora_layers"),
         "fp8_lora_layers": run.get("fp8_lora_layers"),
         "grouped_qkv_layers": run.get("grouped_qkv_layers"),
         "recompute_norm": run.get("recompute_norm"),

@@ -34,8 +34,9 @@ of the LoRA weights once per step and add their weight gradients straight into t
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
 LoRA's B product into the base product (``fold_lora_b``), and keep an RMSNorm's inputs instead of its output
 where they read it (``recompute_norm``). Opt-in, an attention layer's q, k and v run as one LoRA
-product (``group_qkv``), and the frozen base products of the training forward and backward run as FP8 GEMMs
-(``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
+product (``group_qkv``), where a projection's input is wider than its output LoRA's A folds into the base
+input-gradient product (``fold_lora_a``), and the frozen base products of the training forward and backward run as
+FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
 warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
 """
 
@@ -62,6 +63,7 @@ from backends.training.checkpoint import check_compatible, read_checkpoint, rest
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
+from backends.training.kernels.fold_lora_a import fold_model_rows
 from backends.training.kernels.fold_lora_b import fold_model
 from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
 from backends.training.kernels.fused_lora import LoraRuntime, fusable_parts, patch_lora
@@ -224,6 +226,9 @@ class GRPOTrainer:
                                    if fused and peft_path and config.enabled("group_qkv", on_cuda) else 0)
         self.folded_lora_layers = (fold_model(self._lm, fusable_parts, only_where_it_pays=config.fold_lora_b == "auto")
                                    if peft_path and config.enabled("fold_lora_b", on_cuda) else 0)
+        # after both: a module folded on the output side (or grouped) is never row-folded
+        self.row_folded_lora_layers = (fold_model_rows(self._lm, fusable_parts)
+                                       if peft_path and config.enabled("fold_lora_a", on_cuda) else 0)
         self.fp8_lora_layers = quantize_model(self._lm, fusable_parts) if self.fp8 is not None else 0
         if self.fp8 is not None:
             log.info("fp8_base: %d LoRA linears' base weights quantized, %.2f GB of fp8 copies", self.fp8_lora_layers,

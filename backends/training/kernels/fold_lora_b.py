@@ -24,7 +24,8 @@ Choices:
   per call outside one; the columns are rewritten whenever that tensor is a new one, so they are never stale.
 - Folding pays where the y pass saved exceeds the xz copy paid: sum of out_i > in + R (``pays``). At the
   Qwen2.5-1.5B shape (hidden 1536, intermediate 8960, r 16) only the MLP's gate and up do (2 x 8960 > 1536 + 32);
-  q, o (1536 -> 1536), k, v (-> 256) and down (8960 -> 1536) do not. 'auto' folds only those; 'on' folds every
+  q, o (1536 -> 1536), k, v (-> 256) and down (8960 -> 1536) do not (``fold_lora_a`` folds k, v and down on the
+  input-gradient side). 'auto' folds only those; 'on' folds every
   fusable module (the CPU tests' way to cover each form).
 - q, k and v grouped by ``group_qkv`` live in that op's one stacked buffer (``fold_linears`` with ``into``: their
   folds are its row blocks) and are never folded again here, whatever this switch says.

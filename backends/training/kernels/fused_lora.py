@@ -20,8 +20,10 @@ A_c and (sB)_c made once per optimizer step (``lora_cast_cache``), and dL/dA, dL
 masters' ``.grad`` in the products' epilogue instead of returned to autograd (``lora_grad_accumulation``). A module
 whose base weight was folded (``fold_lora_b``) computes y as one product [x | z] [W | (sB)_c]^T instead; one whose
 base weight was quantized (``fp8_base``) takes x W^T and g W as FP8 GEMMs inside the trainer's training scope, the
-LoRA terms unchanged (never both: fp8 modules are not folded). Where x is a marked RMSNorm output (``recompute_norm``)
-the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z], and recomputes x in backward.
+LoRA terms unchanged (never both: fp8 modules are not folded). One whose base weight was row-folded (``fold_lora_a``)
+computes dL/dx as one product [g | gz] [W ; A_c] instead of g W plus a rank-r ``addmm_`` over dx. Where x is a marked
+RMSNorm output (``recompute_norm``) the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z],
+and recomputes x in backward.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.training.kernels.fold_lora_a import RowFoldedWeight, folded_a_input_grad, row_fold_of, runs_row_folded
 from backends.training.kernels.fold_lora_b import (
     FoldedWeight,
     fold_input,
@@ -56,6 +59,7 @@ class LoraParts:
     scaling: float
     fold: FoldedWeight | None = None  # the base weight's [W | (sB)_c] buffer where it was folded (fold_lora_b)
     fp8: Fp8Weight | None = None  # the base weight's fp8 copies where it was quantized (fp8_base)
+    row_fold: RowFoldedWeight | None = None  # the base weight's [W ; A_c] buffer where it was row-folded (fold_lora_a)
 
 
 @dataclass(frozen=True)
@@ -138,22 +142,29 @@ def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool =
 
 
 def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
-                  needs=(True, True), fp8: Fp8Use | None = None):
-    """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``)."""
-    gz = g @ sb
-    grad_x = lora_input_grad(g, gz, w, a, fp8=fp8) if need_x else None
+                  needs=(True, True), fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None):
+    """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``); with ``row_fold`` (the
+    [W ; A] buffer, ``fold_lora_a``) dL/dx and gz = g sB come from one product [g | gz] [W ; A]."""
+    if need_x and row_fold is not None:
+        grad_x, gz = folded_a_input_grad(g, sb, row_fold, a)
+    else:
+        gz = g @ sb
+        grad_x = lora_input_grad(g, gz, w, a, fp8=fp8) if need_x else None
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype, runtime: LoraRuntime,
-                fold: FoldedWeight | None, fp8: Fp8Weight | None):
+                fold: FoldedWeight | None, fp8: Fp8Weight | None, row_fold: RowFoldedWeight | None):
         with autocast_off(x.device.type):
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             w, b, a, sb = cast_parts(weight, bias, lora_a, lora_b, scaling, dtype, runtime.casts)
             ctx.folded = runs_folded([fold], [weight], [sb])
             ctx.fp8 = None if ctx.folded else runtime.fp8_use(fp8, weight, dtype)
+            # the row fold where the unfolded backward's g W is a bf16 product that can take A_c's rows
+            ctx.row_fold = (runs_row_folded(row_fold, weight, a) if row_fold is not None and not ctx.folded
+                            and ctx.fp8 is None else None)
             source = source_of(x)  # x is a norm's output: its inputs stand for x2 (recompute_norm)
             if ctx.folded:  # xz = [x | z] stands for x and z: the same bytes
                 xz, z = fold_input(x2, a)
@@ -182,10 +193,11 @@ class _LoraLinear(torch.autograd.Function):
             x2 = restore(kept, a.dtype, ctx.norm)
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
-                                                   needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8)
+                                                   needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8,
+                                                   row_fold=ctx.row_fold)
         if grad_x is not None:
             grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
-        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None
 
 
 def _folded_backward(ctx, g, x2, z, w_ext, a, sb):
@@ -199,11 +211,13 @@ def _folded_backward(ctx, g, x2, z, w_ext, a, sb):
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None,
-                runtime: LoraRuntime = PLAIN, fold: FoldedWeight | None = None, fp8: Fp8Weight | None = None):
+                runtime: LoraRuntime = PLAIN, fold: FoldedWeight | None = None, fp8: Fp8Weight | None = None,
+                row_fold: RowFoldedWeight | None = None):
     """base(x) + s * B(A(x)) in one fused autograd op (dtype: compute dtype, default x's; ``fold``: the buffer that
     ``weight`` lives in, as one product where it fits; ``fp8``: the weight's fp8 copies, used inside ``runtime``'s
-    fp8 scope)."""
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime, fold, fp8)
+    fp8 scope; ``row_fold``: the [W ; A_c] buffer that ``weight`` lives in, dL/dx as one product where it fits)."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype or x.dtype, runtime, fold, fp8,
+                             row_fold)
 
 
 def fusable_parts(layer) -> LoraParts | None:
@@ -225,14 +239,15 @@ def fusable_parts(layer) -> LoraParts | None:
     if a.bias is not None or b.bias is not None:
         return None
     return LoraParts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]), folded_of(base),
-                     fp8_of(base))
+                     fp8_of(base), row_fold_of(base))
 
 
 def _parts_state(layer) -> tuple[tuple, tuple]:
     """(state, held): everything ``fusable_parts`` reads that can change on a live model, as scalars and object ids
     (adapter switches, active and merged adapters, variants, scalings, the base weight and bias, their fold and fp8
     copies, each adapter's A, B and dropout modules), and the objects whose ids it names. Read from the modules' own
-    dicts: ``Module.__getattr__`` is most of ``fusable_parts``' host time."""
+    dicts: ``Module.__getattr__`` is most of ``fusable_parts``' host time. The row fold (``fold_lora_a``) is not read:
+    ``fold_rows`` gives the module a new weight Parameter with it, whose id the state holds."""
     base, mods = layer._modules["base_layer"], layer._modules
     weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
     held = (weight, bias, base.__dict__.get("_trajflow_fold"), base.__dict__.get("_trajflow_fp8"),
@@ -271,7 +286,7 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     if parts is None:
         return self._trajflow_peft_forward(x, *args, **kwargs)
     return _LoraLinear.apply(x, parts.weight, parts.bias, parts.lora_a, parts.lora_b, parts.scaling,
-                             compute_dtype(x), self._trajflow_lora_runtime, parts.fold, parts.fp8)
+                             compute_dtype(x), self._trajflow_lora_runtime, parts.fold, parts.fp8, parts.row_fold)
 
 
 def patch_lora(model, runtime: LoraRuntime = PLAIN) -> int:

@@ -30,6 +30,8 @@ projections' own forwards (so a disabled adapter, as in the KL reference pass, s
 With gate and up folded as one group (``fold_lora_b``: their weights in [W | .. (sB)_c ..] buffers that read one
 xz = [x | z_gate | z_up]), the op keeps xz instead of x and the two z's (the same bytes) and gets gate's and up's
 outputs, and in backward dL/dx with both dL/dz's, one product per projection; down folded alone works the same on h.
+Down not folded so but row-folded (``fold_lora_a``: its weight the first rows of a [W ; A_c] buffer) gets dL/dh as one
+product [dy | dy (sB)_c] [W ; A_c].
 A projection not folded whose base weight was quantized (``fp8_base``) takes its x W^T and g W as FP8 GEMMs inside
 the trainer's training scope, its LoRA terms unchanged.
 
@@ -56,6 +58,7 @@ from backends.training.kernels.fused_lora import (
     lora_input_grad,
     lora_param_grads,
 )
+from backends.training.kernels.fold_lora_a import folded_a_input_grad, runs_row_folded
 from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad, folded_product, runs_folded
 from backends.training.kernels.recompute_norm import (NormSource, keep, mark, normalized, restore, restore_folded,
                                                       shared, source_of)
@@ -132,7 +135,7 @@ class _LoraSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scalings, dtype, compile, runtime, folds, fp8s, gate_w, gate_a, gate_b, up_w, up_a, up_b,
                 down_w, down_a, down_b):
-        gate_fold, up_fold, down_fold = folds
+        gate_fold, up_fold, down_fold, down_row_fold = folds
         with autocast_off(x.device.type):
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), dtype)
             gw, _, ga, gsb = cast_parts(gate_w, None, gate_a, gate_b, scalings[0], dtype, runtime.casts)
@@ -144,6 +147,9 @@ class _LoraSwiGLU(torch.autograd.Function):
             ctx.fp8 = gate_fp8, up_fp8, down_fp8 = [
                 None if folded else runtime.fp8_use(f, w, dtype)
                 for folded, f, w in zip((ctx.fold_pair, ctx.fold_pair, ctx.fold_down), fp8s, (gate_w, up_w, down_w))]
+            # the down row fold where its unfolded backward's dy W is a bf16 product that can take A_c's rows
+            ctx.down_row_fold = (runs_row_folded(down_row_fold, down_w, da) if down_row_fold is not None
+                                 and not ctx.fold_down and down_fp8 is None else None)
             a_pair = z_pair = None
             source = source_of(x)
             if ctx.fold_pair:  # xz = [x | z_gate | z_up] stands for x and both z's
@@ -183,6 +189,8 @@ class _LoraSwiGLU(torch.autograd.Function):
         dy = as_dtype(grad.reshape(-1, grad.shape[-1]), g.dtype)
         if ctx.fold_down:
             dh, gz = folded_input_grad([dy], [dw], g.shape[1], da)
+        elif ctx.down_row_fold is not None:
+            dh, gz = folded_a_input_grad(dy, dsb, ctx.down_row_fold, da)
         else:
             gz = dy @ dsb
             dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8)
@@ -225,7 +233,7 @@ def silu_mul(gate, up, compile: bool = False):
 
 def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: LoraRuntime = PLAIN):
     """down(silu(gate(x)) * up(x)) for three bias-free ``LoraParts`` in one autograd op."""
-    scalings, folds = (gate.scaling, up.scaling, down.scaling), (gate.fold, up.fold, down.fold)
+    scalings, folds = (gate.scaling, up.scaling, down.scaling), (gate.fold, up.fold, down.fold, down.row_fold)
     fp8s = (gate.fp8, up.fp8, down.fp8)
     return _LoraSwiGLU.apply(x, scalings, dtype or x.dtype, compile, runtime, folds, fp8s, gate.weight, gate.lora_a,
                              gate.lora_b, up.weight, up.lora_a, up.lora_b, down.weight, down.lora_a, down.lora_b)

@@ -1,5 +1,5 @@
 """LocalBackend (the engine and the trainer in one process, one copy of the base weights) with the trainer's day-one
-switches on: fold_lora_b moves weights into its own buffers, group_qkv moves q's, k's and v's into one, fp8_base
+switches on: fold_lora_b and fold_lora_a move weights into their own buffers, group_qkv moves q's, k's and v's into one, fp8_base
 quantizes copies, fused_rope patches the trainer's attention forwards. The engine must still serve the base model and
 then the trained adapter: the publish probe (the trainer's logprobs against the served ones) passes at each step."""
 
@@ -12,9 +12,11 @@ import pytest
 from agents import TrainableModel, Trajectory, TrajectoryGroup, gather_trajectory_groups
 from backends.art.local_backend import LocalBackend
 
-SWITCHES = {"fold": {"fold_lora_b": "on"}, "fp8": {"fp8_base": "on"}, "qkv": {"group_qkv": "on"}}
+SWITCHES = {"fold": {"fold_lora_b": "on"}, "fp8": {"fp8_base": "on"}, "qkv": {"group_qkv": "on"},
+            "fold-a": {"fold_lora_a": "on"}}
 # the trainer's count of what each switch changed
-BUILT = {"fold": "folded_lora_layers", "fp8": "fp8_lora_layers", "qkv": "grouped_qkv_layers"}
+BUILT = {"fold": "folded_lora_layers", "fp8": "fp8_lora_layers", "qkv": "grouped_qkv_layers",
+         "fold-a": "row_folded_lora_layers"}
 
 
 async def _rollout(model, scenario: str) -> Trajectory:

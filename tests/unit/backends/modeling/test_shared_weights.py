@@ -84,16 +84,19 @@ def _storage_bytes(*models) -> int:
     return sum(storages.values())
 
 
-def test_a_trainer_that_folds_keeps_one_copy_of_the_folded_weights_and_a_later_engine_reads_it(tiny_model_path):
-    """fold_lora_b moves gate and up (every fusable linear under 'on') into [out, in + r] buffers. The pristine first
-    load that shared_weights keeps for later twins must point there too: otherwise a process with a trainer alone (the
-    flow's GPU worker) holds those weights twice. An engine started afterwards serves the same weights from them."""
+@pytest.mark.parametrize("fold", ["fold_lora_b", "fold_lora_a"])
+def test_a_trainer_that_folds_keeps_one_copy_of_the_folded_weights_and_a_later_engine_reads_it(tiny_model_path, fold):
+    """fold_lora_b moves gate and up (every fusable linear under 'on') into [out, in + r] buffers, fold_lora_a down, k
+    and v into [out + r, in] ones. The pristine first load that shared_weights keeps for later twins must point there
+    too: otherwise a process with a trainer alone (the flow's GPU worker) holds those weights twice. An engine started
+    afterwards serves the same weights from them."""
+    gc.collect()  # the other fold's trainer and engine gone: this trainer's load is the first again
     dtype = torch.bfloat16  # a key of its own on the CPU: the engines of other tests hold float32 twins
     key = (str(resolve_model("tiny-random").path.resolve()), "cpu", str(dtype))
     reference, _, _ = load_model("tiny-random", dtype=dtype)
     trainer = GRPOTrainer("tiny-random", TrainerConfig(lora_rank=4, lora_alpha=8, dtype="bfloat16", fused_lora="on",
-                                                       memory_efficient_ops="on", fold_lora_b="on"))
-    assert trainer.folded_lora_layers > 0
+                                                       memory_efficient_ops="on", **{fold: "on"}))
+    assert trainer.folded_lora_layers + trainer.row_folded_lora_layers > 0
     source = _SOURCES[key]
     assert _storage_bytes(source, trainer.model) == _storage_bytes(trainer.model), "the folded weights, twice"
     engine = Engine.from_pretrained("tiny-random", dtype=dtype, config=EngineConfig(max_batch_size=2, max_loras=1))

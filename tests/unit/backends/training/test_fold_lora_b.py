@@ -53,21 +53,28 @@ def _close(got, want, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), msg=name)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES, ids=["autograd", "into-masters", "cached+into-masters"])
-def test_folded_linear_equals_unfolded(runtime):
+def linear_runs(runtime, out_f: int, in_f: int, rank: int, fold):
+    """(layer, {False: (y, (dx, dA, dB)), True: ...}): ``lora_linear`` unfolded, then with the keyword arguments that
+    ``fold(layer, rank)`` returns (it folds the layer's weight)."""
     g = torch.Generator().manual_seed(0)
-    layer = _linear(g, 20, 12)
-    a, b = _masters(g, 20, 12, 4)
-    x = torch.randn(2, 5, 12, generator=g)
-    upstream = torch.randn(2, 5, 20, generator=g)
+    layer = _linear(g, out_f, in_f)
+    a, b = _masters(g, out_f, in_f, rank)
+    x = torch.randn(2, 5, in_f, generator=g)
+    upstream = torch.randn(2, 5, out_f, generator=g)
     runs = {}
     for folded in (False, True):
-        fold = fold_linears([layer], [4])[0] if folded else None
+        kwargs = fold(layer, rank) if folded else {}
         xi, ai, bi = (t.detach().clone().requires_grad_() for t in (x, a, b))
         with (runtime.casts.scope() if runtime.casts is not None else contextlib.nullcontext()):
-            out = lora_linear(xi, layer.weight, layer.bias, ai, bi, 0.5, runtime=runtime, fold=fold)
+            out = lora_linear(xi, layer.weight, layer.bias, ai, bi, 0.5, runtime=runtime, **kwargs)
             grads = _grads(out, upstream, (xi, ai, bi))
         runs[folded] = (out.detach(), grads)
+    return layer, runs
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES, ids=["autograd", "into-masters", "cached+into-masters"])
+def test_folded_linear_equals_unfolded(runtime):
+    layer, runs = linear_runs(runtime, 20, 12, 4, lambda layer, rank: {"fold": fold_linears([layer], [rank])[0]})
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
     _close(runs[True][1], runs[False][1], ("dx", "dA", "dB"))
     assert layer._trajflow_fold._written is not None  # the folded product ran
@@ -76,15 +83,22 @@ def test_folded_linear_equals_unfolded(runtime):
 
 
 def test_folded_linear_without_an_input_gradient():
+    kwargs = assert_same_param_grads_without_dx(9, 6, 3, lambda layer, rank: {"fold": fold_linears([layer], [rank])[0]})
+    assert kwargs["fold"]._written is not None
+
+
+def assert_same_param_grads_without_dx(out_f: int, in_f: int, rank: int, fold) -> dict:
+    """``lora_linear``'s (dA, dB) where x needs no gradient, unfolded and with the keyword arguments that
+    ``fold(layer, rank)`` returns (it folds the layer's weight), agree; returns those arguments."""
     g = torch.Generator().manual_seed(1)
-    layer = _linear(g, 9, 6, bias=False)
-    a, b = _masters(g, 9, 6, 3)
-    x, upstream = torch.randn(7, 6, generator=g), torch.randn(7, 9, generator=g)
+    layer = _linear(g, out_f, in_f, bias=False)
+    a, b = _masters(g, out_f, in_f, rank)
+    x, upstream = torch.randn(7, in_f, generator=g), torch.randn(7, out_f, generator=g)
     want = torch.autograd.grad((lora_linear(x, layer.weight, None, a, b, 2.0) * upstream).sum(), (a, b))
-    fold = fold_linears([layer], [3])[0]
-    got = torch.autograd.grad((lora_linear(x, layer.weight, None, a, b, 2.0, fold=fold) * upstream).sum(), (a, b))
+    kwargs = fold(layer, rank)
+    got = torch.autograd.grad((lora_linear(x, layer.weight, None, a, b, 2.0, **kwargs) * upstream).sum(), (a, b))
     _close(got, want, ("dA", "dB"))
-    assert fold._written is not None
+    return kwargs
 
 
 def test_a_weight_given_another_tensor_runs_unfolded_on_it():
@@ -151,23 +165,32 @@ def test_the_tail_is_written_from_each_new_cast_and_never_stale():
                            fold=fold)
 
     weight = layer.weight.detach().clone()
+    assert_never_stale(forward, tail_is_current, fold, cache, a, b, outside=b)
+    assert torch.equal(layer.weight, weight)
+
+
+def assert_never_stale(call, is_current, fold, cache, a, b, outside) -> None:
+    """``call()`` runs a folded op whose buffer takes a cast of the masters ``a``, ``b`` through ``cache``;
+    ``is_current()``: the buffer holds what the masters give now. Checked after the first call, a reused copy (nothing
+    rewritten), an optimizer step and a loaded state (the masters move in place: a new copy), and, outside a scope
+    (copies made per call), a write through ``.data`` of ``outside``."""
     with cache.scope():
-        forward().sum().backward()
-        assert tail_is_current() and cache.fills == 1
+        call()
+        assert is_current() and cache.fills == 1
         written = fold._written
-        forward()
-        assert fold._written is written and cache.hits == 1  # reused copy: nothing rewritten
-        torch.optim.AdamW([a, b], lr=0.1).step()  # the masters move in place: a new copy, a new tail
-        forward()
-        assert tail_is_current() and fold._written is not written
+        call()
+        assert fold._written is written and cache.hits == 1  # a reused copy (or the master itself): not rewritten
+        torch.optim.AdamW([a, b], lr=0.1).step()
+        call()
+        assert is_current()
         holder = torch.nn.Module()
         holder.a, holder.b = a, b
         holder.load_state_dict({"a": torch.zeros_like(a), "b": torch.ones_like(b)})
-        forward()
-        assert tail_is_current()
-    b.data.mul_(3.0)  # outside a scope the copy is made per call, so even a write through .data is seen
-    forward()
-    assert tail_is_current() and torch.equal(layer.weight, weight)
+        call()
+        assert is_current()
+    outside.data.mul_(3.0)
+    call()
+    assert is_current()
 
 
 def test_pays_and_auto_folds_only_the_mlps_gate_and_up(tiny_model_path):
@@ -185,18 +208,44 @@ def _folds(trainer) -> list[FoldedWeight]:
                                                                           FoldedWeight)]
 
 
-def _run(tiny_model_path, tmp_path=None, **cfg):
+def train(tiny_model_path, tmp_path=None, **cfg):
+    """(trainer, metrics, LoRA weights, gradients) of two steps; with ``tmp_path`` two more around a checkpoint saved
+    after step 2 and loaded back (the loaded masters must reach the folded columns or rows)."""
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**cfg))
     grads = record_gradients(trainer)
     metrics = [trainer.train_step(GROUPS) for _ in range(2)]
-    if tmp_path is not None:  # back a step: the loaded masters must reach the folded columns
+    if tmp_path is not None:
         trainer.save_checkpoint(tmp_path / "after2")
         metrics.append(trainer.train_step(GROUPS))
         trainer.load_checkpoint(tmp_path / "after2")
         metrics.append(trainer.train_step(GROUPS))
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-    assert len(_folds(trainer)) == trainer.folded_lora_layers and all(f._written is not None for f in _folds(trainer))
     return trainer, metrics, weights, grads
+
+
+def _run(tiny_model_path, tmp_path=None, **cfg):
+    run = train(tiny_model_path, tmp_path, **cfg)
+    trainer = run[0]
+    assert len(_folds(trainer)) == trainer.folded_lora_layers and all(f._written is not None for f in _folds(trainer))
+    return run
+
+
+def assert_same_training(on_run, off_run, learning_rate: float, where: str):
+    """Two ``train`` runs (with a checkpoint round trip) agree: metrics, gradients, Adam updates, logprobs, and the
+    base model (adapters disabled: the weight views) bit for bit."""
+    for step, (ours, ref) in enumerate(zip(on_run[1], off_run[1])):
+        for key in ("loss", "grad_norm", "entropy", "kl_policy_ref", "mismatch_kl"):
+            assert ours[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (step, key)
+    assert on_run[1][0]["micro_batches"] >= 2
+    assert_same_gradients(on_run[3], off_run[3], where)
+    assert_same_adam_updates(on_run[2], off_run[2], learning_rate, 4, where)
+    on, off = on_run[0], off_run[0]
+    prompt, completion = [5, 6, 7, 8], [10, 11, 12]
+    assert on.sequence_logprobs(prompt, completion) == pytest.approx(off.sequence_logprobs(prompt, completion),
+                                                                      abs=1e-5)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad(), on.model.disable_adapter(), off.model.disable_adapter():  # the base model: the weight views
+        assert torch.equal(on.model(input_ids=ids).logits, off.model(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("lean,cache,into", [("on", "on", "on"), ("on", "off", "off"), ("off", "on", "on"),
@@ -207,19 +256,7 @@ def test_trainer_steps_with_fold_equal_fold_off(tiny_model_path, tmp_path, lean,
                micro_batch_tokens=16)
     runs = {mode: _run(tiny_model_path, tmp_path / mode, fold_lora_b=mode, **cfg) for mode in ("off", "on")}
     assert runs["off"][0].folded_lora_layers == 0 and runs["on"][0].folded_lora_layers == 14
-    for step, (ours, ref) in enumerate(zip(runs["on"][1], runs["off"][1])):
-        for key in ("loss", "grad_norm", "entropy", "kl_policy_ref", "mismatch_kl"):
-            assert ours[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (step, key)
-    assert runs["on"][1][0]["micro_batches"] >= 2
-    assert_same_gradients(runs["on"][3], runs["off"][3], "fold_lora_b")
-    assert_same_adam_updates(runs["on"][2], runs["off"][2], cfg["learning_rate"], 4, "fold_lora_b")
-    on, off = runs["on"][0], runs["off"][0]
-    prompt, completion = [5, 6, 7, 8], [10, 11, 12]
-    assert on.sequence_logprobs(prompt, completion) == pytest.approx(off.sequence_logprobs(prompt, completion),
-                                                                      abs=1e-5)
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad(), on.model.disable_adapter(), off.model.disable_adapter():  # the base model: the weight views
-        assert torch.equal(on.model(input_ids=ids).logits, off.model(input_ids=ids).logits)
+    assert_same_training(runs["on"], runs["off"], cfg["learning_rate"], "fold_lora_b")
 
 
 def test_folded_weights_read_as_the_plain_matrices_and_only_lora_is_saved(tiny_model_path, tmp_path):
@@ -248,11 +285,18 @@ def test_bf16_trainer_steps_with_fold_are_as_close_to_fp32_as_fold_off(tiny_mode
     """bf16 on the tiny random model moves gradients by up to ~14% of their scale from fp32 whatever the path; folded,
     each product is rounded once instead of twice (x W^T, then + z (sB)^T), so its error against fp32 is the same
     size as fold off's, tensor by tensor, never a wrong term's."""
-    cfg = dict(fused_lora="on", memory_efficient_ops="on", learning_rate=1e-3, micro_batch_tokens=16)
-    runs = {mode: _run(tiny_model_path, fold_lora_b=mode, dtype="bfloat16", **cfg) for mode in ("off", "on")}
-    exact = _run(tiny_model_path, dtype="float32", **cfg)[3]
+    runs = bf16_runs_against_fp32(tiny_model_path, _run, "fold_lora_b")
     assert runs["on"][0].folded_lora_layers == 14
+
+
+def bf16_runs_against_fp32(tiny_model_path, run, switch: str) -> dict:
+    """``run``'s bf16 trainers with ``switch`` off and on, by mode, their gradients checked as close to the float32
+    run's as each other (``assert_as_close_to_exact``)."""
+    cfg = dict(fused_lora="on", memory_efficient_ops="on", learning_rate=1e-3, micro_batch_tokens=16)
+    runs = {mode: run(tiny_model_path, **{switch: mode}, dtype="bfloat16", **cfg) for mode in ("off", "on")}
+    exact = run(tiny_model_path, dtype="float32", **cfg)[3]
     assert_as_close_to_exact(runs["on"][3], runs["off"][3], exact)
+    return runs
 
 
 def test_the_docstrings_byte_table_is_what_saved_bytes_computes():

@@ -43,6 +43,7 @@ COMPOSITIONS = {  # name: settings on top of CFG
     "unfolded": dict(fold_lora_b="off"),
     "folded-everywhere": dict(fold_lora_b="on"),
     "group-qkv": dict(group_qkv="on", fold_lora_b="on"),
+    "row-folded": dict(fold_lora_a="on"),
     "checkpointed-grads-to-autograd": dict(gradient_checkpointing=True, checkpoint_layer_fraction=0.5,
                                            accumulate_lora_grads="off", cache_lora_casts="off"),
 }
@@ -74,6 +75,7 @@ def test_trainer_steps_are_identical_to_the_switch_off(tiny_model_path, monkeypa
     (dict(fold_lora_b="off"), 2),  # q, k, v share the input norm's output; the MLP reads the other one
     (dict(fold_lora_b="on"), 4),  # q, k, v each folded alone kept their own [n | z]; the MLP's gate and up one
     (dict(group_qkv="on"), 2),  # the grouped q, k, v op kept one [n | z]
+    (dict(fold_lora_a="on"), 2),  # row-folded k, v and down keep what the unfolded ops keep
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_bytes_drop_by_exactly_the_norm_outputs(tiny_model_path, settings, norm_outputs_per_layer, dtype):

@@ -260,15 +260,16 @@ def _checkpoint_form(path) -> tuple:
 
 
 SWITCHED = {"off": dict(fold_lora_b="off"), "fold": dict(fold_lora_b="on"), "fp8": dict(fp8_base="on"),
-            "qkv": dict(group_qkv="on")}
+            "qkv": dict(group_qkv="on"), "fold-a": dict(fold_lora_a="on")}
 
 
 @pytest.mark.parametrize("saved,resumed", [("fold", "off"), ("off", "fold"), ("fp8", "off"), ("off", "fp8"),
-                                           ("qkv", "off"), ("off", "qkv")])
+                                           ("qkv", "off"), ("off", "qkv"), ("fold-a", "off"), ("off", "fold-a")])
 def test_a_checkpoint_resumes_with_fold_fp8_or_qkv_switched(tiny_model_path, tmp_path, saved, resumed):
-    """'auto' differs between CPU and CUDA machines, so a run saved with fold_lora_b, fp8_base or group_qkv on resumes
-    with it off and the other way round: the checkpoint is the same in form, and the resumed step is the one a
-    trainer with the resumed settings takes from the same state (fp8 moves it by its rounding only)."""
+    """'auto' differs between CPU and CUDA machines, so a run saved with fold_lora_b, fold_lora_a, fp8_base or
+    group_qkv on resumes with it off and the other way round: the checkpoint is the same in form, and the resumed
+    step is the one a trainer with the resumed settings takes from the same state (fp8 moves it by its rounding
+    only)."""
     cfg = dict(RESUME_CFG, fused_lora="on", memory_efficient_ops="on", fused_rope="on")
     for mode in {saved, "off"}:
         trainer = _trainer(tiny_model_path, **cfg, **SWITCHED[mode])
