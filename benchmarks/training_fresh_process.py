@@ -126,6 +126,7 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "mb24k-group-qkv+warm-up": {"micro_batch_tokens": 24576, "group_qkv": "on"},
     # LoRA's A folded into the base input-gradient GEMM where the input is wide (down, k, v; trainer.fold_lora_a)
     "mb24k-fold-a+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "on"},
+    "mb24k-fold-a-off+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "off"},  # its default is on on CUDA
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation

@@ -188,9 +188,11 @@ def _saved(trainer, path):
     return path / "adapter" / "adapter_model.safetensors"
 
 
-def test_the_switch_is_opt_in_off_with_fp8_and_baked_in(tiny_model_path):
-    assert TrainerConfig().fold_lora_a == "off" and TrainerConfig(fold_lora_a=True).fold_lora_a == "on"
-    assert not TrainerConfig(fold_lora_a="auto").enabled("fold_lora_a", True)  # 'auto': off until measured
+def test_the_switch_is_auto_on_cuda_off_with_fp8_and_baked_in(tiny_model_path):
+    assert TrainerConfig().fold_lora_a == "auto" and TrainerConfig(fold_lora_a=True).fold_lora_a == "on"
+    assert TrainerConfig().enabled("fold_lora_a", True)  # 'auto': on CUDA, where fused_lora's 'auto' is on
+    assert not TrainerConfig().enabled("fold_lora_a", False)  # and off on the CPU, with fused_lora
+    assert TrainerConfig(fused_lora="on").enabled("fold_lora_a", False) is False  # 'auto' is CUDA's only
     assert TrainerConfig(fused_lora="on", fold_lora_a="on").enabled("fold_lora_a", False)
     assert not TrainerConfig(fused_lora="off", fold_lora_a="on").enabled("fold_lora_a", True)
     assert not TrainerConfig(fused_lora="on", fold_lora_a="on", fp8_base="on").enabled("fold_lora_a", False)
