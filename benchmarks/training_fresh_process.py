@@ -83,6 +83,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-fold-a-h200.json
 
+    # the fused LoRA ops' rank-r product first and the base GEMM adding into it (trainer.low_rank_first, opt-in)
+    # against 24k-token micro-batches with the defaults
+    RUNS=mb24k+warm-up:cold-cache,mb24k-low-rank-first+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-low-rank-first-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -127,6 +133,8 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # LoRA's A folded into the base input-gradient GEMM where the input is wide (down, k, v; trainer.fold_lora_a)
     "mb24k-fold-a+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "on"},
     "mb24k-fold-a-off+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "off"},  # its default is on on CUDA
+    # the fused LoRA ops' rank-r product first, the base GEMM adding into it (trainer.low_rank_first, opt-in)
+    "mb24k-low-rank-first+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on"},
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
@@ -216,7 +224,8 @@ def child(args) -> None:
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
     # fused_lora's 'auto' is off on the CPU: the smoke turns it on for the switches that act only with it
-    if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a")):
+    if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a"),
+                                  settings.get("low_rank_first")):
         settings = {"fused_lora": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,

@@ -252,6 +252,19 @@ class TrainerConfig(BaseModel):
         "the same 39.0 GiB; benchmarks/results/training-h200.md); 'off': none. Off while `fp8_base` is on (an fp8 "
         "base product cannot take A's rows).",
     )
+    low_rank_first: Switch = Field(
+        default="off",
+        description="With fused_lora: an unfolded LoRA linear takes its sums in the other order, the rank-r product "
+        "first and the base GEMM adding into it: `t = z (sB)_c^T + b; y = t + x W^T` (`t.addmm_(x, W^T)`) and in "
+        "backward `t = gz A_c; dx = t + g W`, instead of the base product first and a rank-r `addmm_` (K = r) that "
+        "reads and writes all of y or dx (`backends/training/kernels/fused_lora.py`). The same bytes on paper; the "
+        "read of the output moves from a thin K = r product, far below memory bandwidth, into the epilogue of the "
+        "compute-bound base GEMM (beta = 1). At the 1.5B shape with the CUDA defaults it reorders the forward of q, k, "
+        "v, o, down and the input gradients of q, o (gate and up are folded by `fold_lora_b`; down, k, v's input "
+        "gradients by `fold_lora_a`). Same function up to rounding. A module whose base product runs in FP8 "
+        "(`fp8_base`: no C input) and the up projection's input gradient (added into gate's) keep today's order; with "
+        "fp8_base on, only the modules left bf16 are reordered. 'auto': off until measured on the H200.",
+    )
     group_qkv: Switch = Field(
         default="off",
         description="With fused_lora: an attention layer's q, k and v projections, which read the same x, as ONE "
@@ -387,7 +400,8 @@ class TrainerConfig(BaseModel):
     # GRPOTrainer.update_config refuses to change them; a new trainer takes them.
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
-        "accumulate_lora_grads", "fold_lora_b", "fold_lora_a", "group_qkv", "fp8_base", "fused_rope", "recompute_norm")
+        "accumulate_lora_grads", "fold_lora_b", "fold_lora_a", "group_qkv", "fp8_base", "fused_rope", "recompute_norm",
+        "low_rank_first")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -412,6 +426,7 @@ class TrainerConfig(BaseModel):
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b and
         fold_lora_a act only with fused_lora too, their 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv
         only with fused_lora, and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base;
+        low_rank_first likewise, with fp8_base too (its fp8 modules keep their order in the op itself);
         recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
         mode = getattr(self, switch)
         if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)
@@ -420,9 +435,9 @@ class TrainerConfig(BaseModel):
             return False
         if switch in self.FUSED_LORA_SWITCHES:
             return self.enabled("fused_lora", on_cuda) and mode != "off"
-        if switch in ("fp8_base", "group_qkv"):
+        if switch in ("fp8_base", "group_qkv", "low_rank_first"):
             return (mode == "on" and self.enabled("fused_lora", on_cuda)
-                    and (switch == "fp8_base" or not self.enabled("fp8_base", on_cuda)))
+                    and (switch != "group_qkv" or not self.enabled("fp8_base", on_cuda)))
         if switch in ("fold_lora_b", "fold_lora_a") and (not self.enabled("fused_lora", on_cuda)
                                                          or self.enabled("fp8_base", on_cuda)):
             return False

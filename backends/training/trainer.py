@@ -35,7 +35,8 @@ of the LoRA weights once per step and add their weight gradients straight into t
 LoRA's B product into the base product (``fold_lora_b``), and keep an RMSNorm's inputs instead of its output
 where they read it (``recompute_norm``). Opt-in, an attention layer's q, k and v run as one LoRA
 product (``group_qkv``), where a projection's input is wider than its output LoRA's A folds into the base
-input-gradient product (``fold_lora_a``), and the frozen base products of the training forward and backward run as
+input-gradient product (``fold_lora_a``), an unfolded LoRA linear's rank-r product runs first with the base GEMM
+adding into it (``low_rank_first``), and the frozen base products of the training forward and backward run as
 FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
 warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
 """
@@ -213,7 +214,8 @@ class GRPOTrainer:
         self.lora_casts = CastCache()
         # where the quantized base weights run in FP8: the training micro-batches' scope (fp8_scope) only
         self.fp8 = self._fp8_scope(config, fused and peft_path)
-        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8)
+        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
+                              config.enabled("low_rank_first", on_cuda))
         # the fused ops that read a norm's output keep the norm's inputs instead (recompute_norm)
         self.recompute_norm = peft_path and config.enabled("recompute_norm", on_cuda)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,

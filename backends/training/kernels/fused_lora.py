@@ -24,6 +24,15 @@ LoRA terms unchanged (never both: fp8 modules are not folded). One whose base we
 computes dL/dx as one product [g | gz] [W ; A_c] instead of g W plus a rank-r ``addmm_`` over dx. Where x is a marked
 RMSNorm output (``recompute_norm``) the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z],
 and recomputes x in backward.
+
+With ``LoraRuntime.low_rank_first`` (``TrainerConfig.low_rank_first``) an unfolded module whose base product is a
+bf16/fp32 GEMM takes the same sums in the other order: t = z (sB)_c^T + b, then y = t + x W^T (``t.addmm_(x, W^T)``),
+and in backward t = gz A_c, then dL/dx = t + g W. Today's order ends with a rank-r ``addmm_`` (K = r) that reads and
+writes all of the output: a thin product far below memory bandwidth. Reordered the rank-r product only writes t and
+the read of t moves into the base GEMM's epilogue (beta = 1, inside a compute-bound product). The bytes on paper are
+the same (write t, read t, write y against write y, read y, write y), so whether it pays is the device's beta = 1
+kernel against its K = r one: measured, not assumed. An FP8 base product (``fp8_base``: ``torch._scaled_mm`` takes no
+C) and an input gradient added into another's (``into``, gate and up of the lean MLP) keep today's order.
 """
 
 from __future__ import annotations
@@ -66,11 +75,13 @@ class LoraParts:
 class LoraRuntime:
     """What the fused ops of one trainer share: ``casts``, the cache of A_c and (sB)_c (None: made per call), and
     ``grads_into_masters``: dL/dA and dL/dB added into the masters' ``.grad`` by the op itself (False: returned to
-    autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never)."""
+    autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never); ``low_rank_first``: the
+    rank-r product first and the base GEMM adding into it (module docstring; False: the base product first)."""
 
     casts: CastCache | None = None
     grads_into_masters: bool = False
     fp8: Fp8Scope | None = None
+    low_rank_first: bool = False
 
     def fp8_use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
         """The fp8 copies one forward takes (``Fp8Scope.use``), or None: the base product in ``dtype``."""
@@ -113,16 +124,23 @@ def cast_parts(weight, bias, lora_a, lora_b, scaling: float, dtype, casts: CastC
             *lora_casts(casts, lora_a, lora_b, scaling, dtype))
 
 
-def lora_forward(x2, w, bias, a, sb, fp8: Fp8Use | None = None):
-    """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T (x W^T in FP8 where ``fp8`` is given)."""
+def lora_forward(x2, w, bias, a, sb, fp8: Fp8Use | None = None, low_rank_first: bool = False):
+    """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T (x W^T in FP8 where ``fp8`` is given); with
+    ``low_rank_first`` and no ``fp8``, y = (z (sB)^T + b) + x W^T, the base GEMM adding into the rank-r product."""
     z = x2 @ a.t()
+    if low_rank_first and fp8 is None:
+        t = z @ sb.t() if bias is None else torch.addmm(bias, z, sb.t())
+        return t.addmm_(x2, w.t()), z
     y = base_product(x2, w, bias, fp8)
     y.addmm_(z, sb.t())
     return y, z
 
 
-def lora_input_grad(g, gz, w, a, into=None, fp8: Fp8Use | None = None):
-    """dL/dx = g W + gz A (gz = dL/dz = g sB), added into ``into`` when given (g W in FP8 where ``fp8`` is given)."""
+def lora_input_grad(g, gz, w, a, into=None, fp8: Fp8Use | None = None, low_rank_first: bool = False):
+    """dL/dx = g W + gz A (gz = dL/dz = g sB), added into ``into`` when given (g W in FP8 where ``fp8`` is given);
+    with ``low_rank_first``, no ``into`` and no ``fp8``, dL/dx = gz A + g W, the base GEMM adding into gz A."""
+    if low_rank_first and fp8 is None and into is None:
+        return (gz @ a).addmm_(g, w)
     return base_input_grad(g, w, fp8, into).addmm_(gz, a)
 
 
@@ -142,14 +160,16 @@ def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool =
 
 
 def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
-                  needs=(True, True), fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None):
+                  needs=(True, True), fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None,
+                  low_rank_first: bool = False):
     """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``); with ``row_fold`` (the
-    [W ; A] buffer, ``fold_lora_a``) dL/dx and gz = g sB come from one product [g | gz] [W ; A]."""
+    [W ; A] buffer, ``fold_lora_a``) dL/dx and gz = g sB come from one product [g | gz] [W ; A]; ``low_rank_first``:
+    see ``lora_input_grad``."""
     if need_x and row_fold is not None:
         grad_x, gz = folded_a_input_grad(g, sb, row_fold, a)
     else:
         gz = g @ sb
-        grad_x = lora_input_grad(g, gz, w, a, fp8=fp8) if need_x else None
+        grad_x = lora_input_grad(g, gz, w, a, fp8=fp8, low_rank_first=low_rank_first) if need_x else None
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
@@ -173,12 +193,13 @@ class _LoraLinear(torch.autograd.Function):
                 x2, z = (xz, None) if source is None else (x2, z)
                 del xz
             else:
-                y, z = lora_forward(x2, w, b, a, sb, ctx.fp8)
+                y, z = lora_forward(x2, w, b, a, sb, ctx.fp8, runtime.low_rank_first)
         ctx.save_for_backward(*keep(x2, source), w, a, sb, z)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
         ctx.norm = shared(source)
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters, ctx.into_masters = (lora_a, lora_b), runtime.grads_into_masters
+        ctx.low_rank_first = runtime.low_rank_first
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -194,7 +215,7 @@ class _LoraLinear(torch.autograd.Function):
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
                                                    needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8,
-                                                   row_fold=ctx.row_fold)
+                                                   row_fold=ctx.row_fold, low_rank_first=ctx.low_rank_first)
         if grad_x is not None:
             grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None

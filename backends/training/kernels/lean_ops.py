@@ -34,6 +34,8 @@ Down not folded so but row-folded (``fold_lora_a``: its weight the first rows of
 product [dy | dy (sB)_c] [W ; A_c].
 A projection not folded whose base weight was quantized (``fp8_base``) takes its x W^T and g W as FP8 GEMMs inside
 the trainer's training scope, its LoRA terms unchanged.
+With ``LoraRuntime.low_rank_first`` each unfolded bf16 projection takes its rank-r product first and its base GEMM
+adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product, which up's then adds into.
 
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
 fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
@@ -161,8 +163,8 @@ class _LoraSwiGLU(torch.autograd.Function):
                 x2, z_pair = (xz, None) if source is None else (x2, z_pair)
                 del xz
             else:
-                g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8)
-                u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8)
+                g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8, runtime.low_rank_first)
+                u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8, runtime.low_rank_first)
             h = kernel(_silu_mul, compile)(g, u)
             if ctx.fold_down:  # [h | z_down] is not kept: backward recomputes h
                 hz, z_down = fold_input(h, da)
@@ -170,14 +172,14 @@ class _LoraSwiGLU(torch.autograd.Function):
                 y = folded_product(hz, dw)
                 del hz
             else:
-                y, z_down = lora_forward(h, dw, None, da, dsb, down_fp8)
+                y, z_down = lora_forward(h, dw, None, da, dsb, down_fp8, runtime.low_rank_first)
         ctx.save_for_backward(*keep(x2, source), z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da,
                               dsb, a_pair)
         ctx.scalings, ctx.compile, ctx.x_shape, ctx.x_dtype = scalings, compile, x.shape, x.dtype
         ctx.norm = shared(source)
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters = ((gate_a, gate_b), (up_a, up_b), (down_a, down_b))
-        ctx.into_masters = runtime.grads_into_masters
+        ctx.into_masters, ctx.low_rank_first = runtime.grads_into_masters, runtime.low_rank_first
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -193,7 +195,7 @@ class _LoraSwiGLU(torch.autograd.Function):
             dh, gz = folded_a_input_grad(dy, dsb, ctx.down_row_fold, da)
         else:
             gz = dy @ dsb
-            dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8)
+            dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8, low_rank_first=ctx.low_rank_first)
         grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
         del dh
         needs = ctx.needs_input_grad
@@ -213,7 +215,8 @@ class _LoraSwiGLU(torch.autograd.Function):
             x2 = restore(kept, g.dtype, ctx.norm)
             gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
             if needs[0]:
-                grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8)
+                # up adds into gate's dL/dx (``into``): only gate's product can take the low-rank term first
+                grad_x = lora_input_grad(grad_g, gz_gate, gw, ga, fp8=gate_fp8, low_rank_first=ctx.low_rank_first)
                 grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=grad_x, fp8=up_fp8)
         if grad_x is not None:
             grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)

@@ -82,8 +82,10 @@ def test_trajectories_and_conversations_train_alike(tiny_model_path):
 
 
 @pytest.mark.parametrize("switch", [dict(fused_rope="on"), dict(fold_lora_b="on"), dict(fp8_base="on"),
-                                    dict(group_qkv="on"), dict(recompute_norm="on"), dict(fold_lora_a="on")],
-                         ids=["fused_rope", "fold_lora_b", "fp8_base", "group_qkv", "recompute_norm", "fold_lora_a"])
+                                    dict(group_qkv="on"), dict(recompute_norm="on"), dict(fold_lora_a="on"),
+                                    dict(low_rank_first="on")],
+                         ids=["fused_rope", "fold_lora_b", "fp8_base", "group_qkv", "recompute_norm", "fold_lora_a",
+                              "low_rank_first"])
 def test_sft_the_reference_pass_and_peft_merges_with_each_switch_on(tiny_model_path, switch):
     """SFT takes the same steps with each of the day's switches on as with all off (its steps run outside the FP8
     scope: bf16 products, like the KL passes); with the adapter disabled (the KL reference) the model is the plain
