@@ -50,7 +50,8 @@ from benchmarks.training import TINY, build_model  # noqa: E402
 SHAPE = {**TINY, "num_hidden_layers": 28, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6}
 LORA = {"lora_rank": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 CUDA_DEFAULTS = {"fused_lora": "on", "memory_efficient_ops": "on", "cache_lora_casts": "on",
-                 "accumulate_lora_grads": "on", "fused_rope": "on", "recompute_norm": "on", "fold_lora_b": "off"}
+                 "accumulate_lora_grads": "on", "fused_rope": "on", "recompute_norm": "on", "fold_lora_b": "off",
+                 "fold_lora_a": "on"}  # fold_lora_a "on" folds where CUDA's "auto" does (in > out + r)
 PLAIN_PEFT = {"fused_lora": "off", "memory_efficient_ops": "off", "fused_rope": "off", "recompute_norm": "off",
               "fold_lora_b": "off"}
 VARIANTS = {"cuda-defaults": (CUDA_DEFAULTS, True), "plain-peft": (PLAIN_PEFT, False)}
