@@ -591,9 +591,13 @@ class GRPOTrainer:
             total = max(16, budget // (k + 1))
             lengths = [total // 2, total // 3, total - total // 2 - total // 3]
             if long is not None and long <= budget:
-                size = long if k == 0 else max(1, long - 1)
-                rows, rest = divmod(total, size)
-                lengths = [size] * (rows - 1) + [size + rest] if k == 0 else [size] * rows + ([rest] if rest else [])
+                if k == 0:  # rows of T, the last taking the rest: long
+                    rows, rest = divmod(total, long)
+                    lengths = [long] * (rows - 1) + [long + rest]
+                else:  # rows of T - 1, the rest a row of its own: every row, so the quadratic mean, under T
+                    short = max(1, long - 1)
+                    rows, rest = divmod(total, short)
+                    lengths = [short] * rows + ([rest] if rest else [])
             sets.append(lengths)
         return sets
 
