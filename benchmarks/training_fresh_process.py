@@ -137,6 +137,7 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "mb24k-low-rank-first+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on"},
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
+    "mb24k-low-rank-first-b256+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on", "attention_bucket": 256},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
     # (both on by default on CUDA), together and one at a time
     "lora-per-micro-batch+warm-up": {"cache_lora_casts": "off", "accumulate_lora_grads": "off"},
