@@ -135,6 +135,7 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "mb24k-fold-a-off+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "off"},  # its default is on on CUDA
     # the fused LoRA ops' rank-r product first, the base GEMM adding into it (trainer.low_rank_first, opt-in)
     "mb24k-low-rank-first+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on"},
+    "mb24k-low-rank-first-off+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "off"},  # on on CUDA
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     "mb24k-low-rank-first-b256+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on", "attention_bucket": 256},

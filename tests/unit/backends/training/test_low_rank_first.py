@@ -118,11 +118,12 @@ def test_bf16_trainer_steps_reordered_are_as_close_to_fp32_as_todays_order(tiny_
     bf16_runs_against_fp32(tiny_model_path, _run, "low_rank_first")
 
 
-def test_the_switch_is_opt_in_needs_fused_lora_and_is_baked_in(tiny_model_path):
-    assert TrainerConfig().low_rank_first == "off" and TrainerConfig(low_rank_first=True).low_rank_first == "on"
-    assert not TrainerConfig(low_rank_first="auto").enabled("low_rank_first", True)  # 'auto': off until measured
-    assert TrainerConfig(low_rank_first="on").enabled("low_rank_first", True)  # fused_lora's 'auto' is on on CUDA
-    assert not TrainerConfig(low_rank_first="on").enabled("low_rank_first", False)  # and off on the CPU
+def test_the_switch_is_on_on_cuda_needs_fused_lora_and_is_baked_in(tiny_model_path):
+    assert TrainerConfig().low_rank_first == "auto" and TrainerConfig(low_rank_first=True).low_rank_first == "on"
+    assert TrainerConfig().enabled("low_rank_first", True)  # 'auto' is on on CUDA (fused_lora's 'auto' too)
+    assert not TrainerConfig().enabled("low_rank_first", False)  # and off on the CPU
+    assert TrainerConfig(low_rank_first="on").enabled("low_rank_first", True)
+    assert not TrainerConfig(low_rank_first="on").enabled("low_rank_first", False)  # fused_lora is off on the CPU
     assert not TrainerConfig(fused_lora="off", low_rank_first="on").enabled("low_rank_first", True)
     assert TrainerConfig(fused_lora="on", low_rank_first="on", fp8_base="on").enabled("low_rank_first", False)
     with pytest.raises(ValueError, match="low_rank_first"):
