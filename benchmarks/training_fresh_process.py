@@ -89,6 +89,11 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-low-rank-first-h200.json
 
+    # q, k and v's input gradients summed in their GEMMs (trainer.chain_input_grads, 'auto' on CUDA), on and off
+    RUNS=mb24k-chain-off+warm-up:cold-cache,mb24k-chain-on+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-chain-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -135,6 +140,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "mb24k-fold-a-off+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "off"},  # its default is on on CUDA
     # the fused LoRA ops' rank-r product first, the base GEMM adding into it (trainer.low_rank_first, opt-in)
     "mb24k-low-rank-first+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on"},
+    # q, k and v's input gradients summed in their GEMMs (trainer.chain_input_grads, 'auto' on CUDA) and not
+    "mb24k-chain-off+warm-up": {"micro_batch_tokens": 24576, "chain_input_grads": "off"},
+    "mb24k-chain-on+warm-up": {"micro_batch_tokens": 24576, "chain_input_grads": "on"},
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     "mb24k-low-rank-first-b256+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on", "attention_bucket": 256},
@@ -228,6 +236,8 @@ def child(args) -> None:
     if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a"),
                                   settings.get("low_rank_first")):
         settings = {"fused_lora": "on", **settings}
+    if args.smoke and settings.get("chain_input_grads") == "on":  # it acts only with recompute_norm ('auto': CUDA)
+        settings = {"fused_lora": "on", "memory_efficient_ops": "on", "recompute_norm": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
                         max_row_tokens=max_len, seed=0, backend="peft", **{**common, **settings})

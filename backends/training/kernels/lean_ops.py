@@ -108,6 +108,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
+        input_grads = getattr(ctx, "input_grads", None)  # set where the output was marked (_norm_forward)
+        if input_grads is not None:
+            grad = input_grads.take(grad)
         if grad is None:
             return None, None, None, None
         x, weight, rstd = ctx.saved_tensors
@@ -244,8 +247,11 @@ def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: L
 
 def _norm_forward(self, hidden_states):
     y, rstd = _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, self._trajflow_compile)
-    if self._trajflow_recompute_norm:
-        mark(y, NormSource(hidden_states, self.weight, rstd, self._trajflow_compile))
+    if self._trajflow_recompute_norm and y.requires_grad:
+        source = NormSource(hidden_states, self.weight, rstd, self._trajflow_compile)
+        mark(y, source)
+        # y's node is this call's ctx: its backward takes what the readers that chain summed (chain_input_grads)
+        y.grad_fn.input_grads = source.shared.input_grads
     return y
 
 
