@@ -38,7 +38,8 @@ With ``LoraRuntime.low_rank_first`` each unfolded bf16 projection takes its rank
 adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product, which up's then adds into.
 
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
-fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
+fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward; the norm's backward adds
+the sum of dL/dn that its chained readers left (``chain_input_grads``) to the gradient autograd hands it.
 """
 
 from __future__ import annotations
