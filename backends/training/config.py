@@ -432,13 +432,13 @@ class TrainerConfig(BaseModel):
         return self
 
     def enabled(self, switch: str, on_cuda: bool) -> bool:
-        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
+        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA; chain_input_grads only
+        with recompute_norm (the readers' sum lives on what they share). The fused LoRA op's own
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b and
         fold_lora_a act only with fused_lora too, their 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv
         only with fused_lora, and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base;
         low_rank_first likewise, with fp8_base too (its fp8 modules keep their order in the op itself);
-        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base;
-        chain_input_grads only with recompute_norm (the readers' sum lives on what they share), its 'auto' on CUDA."""
+        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
         mode = getattr(self, switch)
         if switch == "chain_input_grads" and not self.enabled("recompute_norm", on_cuda):
             return False

@@ -217,9 +217,10 @@ class GRPOTrainer:
         self.fp8 = self._fp8_scope(config, fused and peft_path)
         # the fused ops that read a norm's output keep the norm's inputs instead (recompute_norm)
         self.recompute_norm = peft_path and config.enabled("recompute_norm", on_cuda)
+        # and sum their input gradients in their GEMMs, the norm's backward taking the sum (chain_input_grads)
+        self.chain_input_grads = self.recompute_norm and config.enabled("chain_input_grads", on_cuda)
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
-                              config.enabled("low_rank_first", on_cuda),
-                              self.recompute_norm and config.enabled("chain_input_grads", on_cuda))
+                              config.enabled("low_rank_first", on_cuda), self.chain_input_grads)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,
                                         recompute_norm=self.recompute_norm) if lean and peft_path else {})
         self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)

@@ -162,8 +162,8 @@ def test_the_switch_acts_only_with_recompute_norm_and_is_baked_in(tiny_model_pat
     assert not TrainerConfig(fused_lora="off", chain_input_grads="on").enabled("chain_input_grads", True)
     assert not TrainerConfig(chain_input_grads="off").enabled("chain_input_grads", True)
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(**CFG, chain_input_grads="on"))
-    assert all(m._trajflow_lora_runtime.chain_input_grads for m in trainer.model.modules()
-               if hasattr(m, "_trajflow_lora_runtime"))
+    assert trainer.chain_input_grads and all(m._trajflow_lora_runtime.chain_input_grads for m in trainer.model.modules()
+                                             if hasattr(m, "_trajflow_lora_runtime"))
     with pytest.raises(ValueError, match="chain_input_grads"):
         trainer.update_config(chain_input_grads="off")
 
