@@ -1,10 +1,14 @@
 """q, k and v sum their input gradients in their GEMMs (kernels/chain_input_grads.py): loss and every gradient equal to
 the switch off (float32, within 1e-6 of each tensor's scale) with every composition, across micro-batches and steps;
 a reader whose output does not reach the loss, a second backward over a retained graph and a pass whose norm backward
-never ran leave the gradients exact; the switch acting only with recompute_norm."""
+never ran leave the gradients exact; two full-width adds per layer gone (counted); the switch acting only with
+recompute_norm."""
+
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.training.config import TrainerConfig
 from backends.training.kernels import chain_input_grads
@@ -199,3 +203,34 @@ def test_a_reader_whose_compute_dtype_is_not_the_norms_does_not_chain(tiny_model
     on = _decoder_grads(tiny_model_path, "on", {}, run)
     assert handovers[0] == 0
     assert all(torch.equal(on[k], off[k]) for k in off)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(fold_lora_a="on")])
+def test_each_layer_loses_autograds_two_adds_of_input_gradients(tiny_model_path, settings):
+    """Counted on the CPU over a decoder's backward: per layer the two full-width adds of q's, k's and v's dL/dn are
+    gone, and two products that wrote a fresh dL/dn add into the sum instead (``mm`` -> ``addmm_``)."""
+    counts = {}
+
+    def run(trainer, decoder, embeds):
+        loss = decoder(inputs_embeds=embeds).last_hidden_state.pow(2).sum()
+        with _CountOps() as mode:
+            loss.backward()
+        counts[trainer.chain_input_grads] = mode.ops
+        counts["layers"] = len(decoder.layers)
+
+    _decoder_grads(tiny_model_path, "off", settings, run)
+    _decoder_grads(tiny_model_path, "on", settings, run)
+    off, on, layers = counts[False], counts[True], counts["layers"]
+    assert off["aten.add.Tensor"] - on["aten.add.Tensor"] == 2 * layers
+    assert off["aten.mm.default"] - on["aten.mm.default"] == 2 * layers
+    assert on["aten.addmm_.default"] - off["aten.addmm_.default"] == 2 * layers
