@@ -234,3 +234,21 @@ def test_each_layer_loses_autograds_two_adds_of_input_gradients(tiny_model_path,
     assert off["aten.add.Tensor"] - on["aten.add.Tensor"] == 2 * layers
     assert off["aten.mm.default"] - on["aten.mm.default"] == 2 * layers
     assert on["aten.addmm_.default"] - off["aten.addmm_.default"] == 2 * layers
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_recompute_their_forward_and_still_chain_exactly(tiny_model_path, monkeypatch, reentrant):
+    """Non-reentrant (the trainer's): the recomputed forward marks a new norm output, whose readers' counts and sum
+    no backward reads; the recorded ops chain on the first forward's. Reentrant: the first forward runs without grad
+    (nothing marked), the recomputation builds the graph that chains, inside the checkpoint's own backward."""
+    handovers = _count_handovers(monkeypatch)
+
+    def run(trainer, decoder, embeds):
+        trainer._lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        decoder.train()
+        decoder(inputs_embeds=embeds).last_hidden_state.pow(2).sum().backward()
+
+    off = _decoder_grads(tiny_model_path, "off", dict(accumulate_lora_grads="off"), run)
+    on = _decoder_grads(tiny_model_path, "on", dict(accumulate_lora_grads="off"), run)
+    assert handovers[0] > 0
+    _assert_close(on, off)
