@@ -252,3 +252,19 @@ def test_checkpointed_layers_recompute_their_forward_and_still_chain_exactly(tin
     on = _decoder_grads(tiny_model_path, "on", dict(accumulate_lora_grads="off"), run)
     assert handovers[0] > 0
     _assert_close(on, off)
+
+
+def test_a_reader_on_peft_path_returns_its_gradient_which_the_norm_adds_to_the_sum(tiny_model_path, monkeypatch):
+    """q_proj's adapter disabled: peft computes q (its base product still reads n) and autograd hands its dL/dn to the
+    norm, which adds it to k's and v's chained sum."""
+    handovers = _count_handovers(monkeypatch)
+
+    def run(trainer, decoder, embeds):
+        for layer in decoder.layers:
+            layer.self_attn.q_proj.enable_adapters(False)
+        decoder(inputs_embeds=embeds).last_hidden_state.pow(2).sum().backward()
+
+    off = _decoder_grads(tiny_model_path, "off", {}, run)
+    on = _decoder_grads(tiny_model_path, "on", {}, run)
+    assert handovers[0] > 0
+    _assert_close(on, off)
