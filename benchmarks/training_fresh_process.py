@@ -89,6 +89,11 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-low-rank-first-h200.json
 
+    # q, k and v's input gradients summed in their GEMMs (trainer.chain_input_grads, 'auto' on CUDA), on and off
+    RUNS=mb24k-chain-off+warm-up:cold-cache,mb24k-chain-on+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-chain-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -130,6 +135,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "norm-off+warm-up": {"recompute_norm": "off"},
     "mb24k-norm-off+warm-up": {"micro_batch_tokens": 24576, "recompute_norm": "off"},
     "mb24k-group-qkv+warm-up": {"micro_batch_tokens": 24576, "group_qkv": "on"},
+    # q, k and v's input gradients summed in their GEMMs (trainer.chain_input_grads, 'auto' on CUDA) and not
+    "mb24k-chain-off+warm-up": {"micro_batch_tokens": 24576, "chain_input_grads": "off"},
+    "mb24k-chain-on+warm-up": {"micro_batch_tokens": 24576, "chain_input_grads": "on"},
     # LoRA's A folded into the base input-gradient GEMM where the input is wide (down, k, v; trainer.fold_lora_a)
     "mb24k-fold-a+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "on"},
     "mb24k-fold-a-off+warm-up": {"micro_batch_tokens": 24576, "fold_lora_a": "off"},  # its default is on on CUDA
@@ -229,6 +237,8 @@ def child(args) -> None:
     if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a"),
                                   settings.get("low_rank_first")):
         settings = {"fused_lora": "on", **settings}
+    if args.smoke and "chain_input_grads" in settings:  # it acts only with recompute_norm ('auto': CUDA), on or off
+        settings = {"fused_lora": "on", "memory_efficient_ops": "on", "recompute_norm": "on", **settings}
     common = {"micro_batch_tokens": 1024 if args.smoke else args.micro_batch_tokens}  # a variant may override it
     cfg = TrainerConfig(lora_rank=16, lora_alpha=32, target_modules="all-linear", learning_rate=1e-5,
                         max_row_tokens=max_len, seed=0, backend="peft", **{**common, **settings})
@@ -309,7 +319,8 @@ def child(args) -> None:
     fp8_gap = fp8_logprob_gap(trainer, data[0], max_len) if trainer.fp8 is not None else None
     out = {"config": args.config, "settings": settings, "attention": trainer.attention_path, "fp8_logprob_gap": fp8_gap,
            "fp8_lora_layers": trainer.fp8_lora_layers, "grouped_qkv_layers": trainer.grouped_qkv_layers,
-           "recompute_norm": trainer.recompute_norm, "row_folded_lora_layers": trainer.row_folded_lora_layers,
+           "recompute_norm": trainer.recompute_norm, "chain_input_grads": trainer.chain_input_grads,
+           "row_folded_lora_layers": trainer.row_folded_lora_layers,
            "micro_batch_tokens": trainer.micro_batch_tokens, "warm_up_s": trainer.warm_up_s,
            "warm_up_runs": trainer.warm_up_runs, "folded_lora_layers": trainer.folded_lora_layers, "n_params": n_params,
            "lora_params": lora_params, "t_start": t_start, "t_imported": t_imported, "t_model": t_model,
@@ -344,6 +355,7 @@ def summarise_run(run: dict, steady_steps: int) -> dict:
         "fp8_lora_layers": run.get("fp8_lora_layers"),
         "grouped_qkv_layers": run.get("grouped_qkv_layers"),
         "recompute_norm": run.get("recompute_norm"),
+        "chain_input_grads": run.get("chain_input_grads"),
         # fp8 runs: |logprob fp8 - bf16| over step 0's trained tokens, measured once after the steps (no grad)
         "fp8_logprob_gap": run.get("fp8_logprob_gap"),
         "attention_paths_steady": [x.get("attention_paths") for x in window],

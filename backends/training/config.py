@@ -315,6 +315,16 @@ class TrainerConfig(BaseModel):
         "'auto': on wherever memory_efficient_ops and fused_lora both are (CUDA); never with fp8_base (its steps were "
         "not the same bits on the H200).",
     )
+    chain_input_grads: Switch = Field(
+        default="auto",
+        description="With recompute_norm: the fused LoRA ops that read one RMSNorm output (q, k and v) sum their "
+        "input gradients inside their GEMMs instead of returning three to autograd, which adds them in two passes "
+        "over [tokens, hidden]: the first backward writes its dL/dn, each later one adds into it with beta = 1, and "
+        "the norm's backward takes the sum (`backends/training/kernels/chain_input_grads.py`). Same function up to "
+        "rounding; a reader whose output does not reach the loss adds nothing. 'auto': on CUDA (not measured yet: "
+        "runs `mb24k-chain-on+warm-up` / `mb24k-chain-off+warm-up` of benchmarks/training_fresh_process.py); off "
+        "wherever recompute_norm is.",
+    )
     compile_logprobs: Switch = Field(
         default="auto",
         description="torch.compile the per-chunk softmax statistics and gradient of the logprob projection "
@@ -403,7 +413,7 @@ class TrainerConfig(BaseModel):
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
         "accumulate_lora_grads", "fold_lora_b", "fold_lora_a", "group_qkv", "fp8_base", "fused_rope", "recompute_norm",
-        "low_rank_first")
+        "low_rank_first", "chain_input_grads")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -424,7 +434,8 @@ class TrainerConfig(BaseModel):
         return self
 
     def enabled(self, switch: str, on_cuda: bool) -> bool:
-        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA. The fused LoRA op's own
+        """An 'auto'/'on'/'off' speed switch resolved for a device: 'on', or 'auto' on CUDA; chain_input_grads only
+        with recompute_norm (the readers' sum lives on what they share). The fused LoRA op's own
         switches (``FUSED_LORA_SWITCHES``) act only with fused_lora, and their 'auto' follows it; fold_lora_b and
         fold_lora_a act only with fused_lora too, their 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv
         only with fused_lora, and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base;
@@ -432,6 +443,8 @@ class TrainerConfig(BaseModel):
         in the op itself);
         recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
         mode = getattr(self, switch)
+        if switch == "chain_input_grads" and not self.enabled("recompute_norm", on_cuda):
+            return False
         if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)
                                                and self.enabled("fused_lora", on_cuda)
                                                and not self.enabled("fp8_base", on_cuda)):

@@ -33,7 +33,8 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
 LoRA's B product into the base product (``fold_lora_b``), and keep an RMSNorm's inputs instead of its output
-where they read it (``recompute_norm``). Opt-in, an attention layer's q, k and v run as one LoRA
+where they read it (``recompute_norm``), the ops that read one norm output summing their input gradients in their
+GEMMs (``chain_input_grads``). Opt-in, an attention layer's q, k and v run as one LoRA
 product (``group_qkv``), where a projection's input is wider than its output LoRA's A folds into the base
 input-gradient product (``fold_lora_a``), an unfolded LoRA linear's rank-r product runs first with the base GEMM
 adding into it (``low_rank_first``), and the frozen base products of the training forward and backward run as
@@ -214,10 +215,12 @@ class GRPOTrainer:
         self.lora_casts = CastCache()
         # where the quantized base weights run in FP8: the training micro-batches' scope (fp8_scope) only
         self.fp8 = self._fp8_scope(config, fused and peft_path)
-        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
-                              config.enabled("low_rank_first", on_cuda))
         # the fused ops that read a norm's output keep the norm's inputs instead (recompute_norm)
         self.recompute_norm = peft_path and config.enabled("recompute_norm", on_cuda)
+        # and sum their input gradients in their GEMMs, the norm's backward taking the sum (chain_input_grads)
+        self.chain_input_grads = self.recompute_norm and config.enabled("chain_input_grads", on_cuda)
+        runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
+                              config.enabled("low_rank_first", on_cuda), self.chain_input_grads)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,
                                         recompute_norm=self.recompute_norm) if lean and peft_path else {})
         self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)

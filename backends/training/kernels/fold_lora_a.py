@@ -135,15 +135,16 @@ def fold_model_rows(model, parts_of) -> int:
     return count
 
 
-def folded_a_input_grad(g: torch.Tensor, sb: torch.Tensor, fold: RowFoldedWeight, a: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, gz): [g | gz] with gz = g (sB)_c written into its last r columns, dx = [g | gz] [W ; A_c] (one GEMM);
-    gz is a view of the [T, out + r] buffer."""
+def folded_a_input_grad(g: torch.Tensor, sb: torch.Tensor, fold: RowFoldedWeight, a: torch.Tensor,
+                        into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, gz): [g | gz] with gz = g (sB)_c written into its last r columns, dx = [g | gz] [W ; A_c] (one GEMM,
+    added into ``into`` when given: ``into`` returned); gz is a view of the [T, out + r] buffer."""
     out = fold.out_features
     ggz = torch.empty(g.shape[0], out + fold.rank, dtype=g.dtype, device=g.device)
     ggz[:, :out].copy_(g)
     gz = torch.mm(g, sb, out=ggz[:, out:])
-    return ggz @ fold.extended(a), gz
+    w_row = fold.extended(a)
+    return (ggz @ w_row if into is None else into.addmm_(ggz, w_row)), gz
 
 
 def saved_bytes(tokens: int, in_features: int, out_features: int, rank: int, element: int = 2) -> dict:

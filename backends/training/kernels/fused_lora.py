@@ -23,7 +23,9 @@ base weight was quantized (``fp8_base``) takes x W^T and g W as FP8 GEMMs inside
 LoRA terms unchanged (never both: fp8 modules are not folded). One whose base weight was row-folded (``fold_lora_a``)
 computes dL/dx as one product [g | gz] [W ; A_c] instead of g W plus a rank-r ``addmm_`` over dx. Where x is a marked
 RMSNorm output (``recompute_norm``) the op keeps the norm's x and rstd (and, folded, its z) instead of x or [x | z],
-and recomputes x in backward.
+and recomputes x in backward; with ``LoraRuntime.chain_input_grads`` the ops that kept one norm's source add their
+dL/dx into one sum in their GEMMs (beta = 1) and return None for x, the norm's backward taking the sum
+(``chain_input_grads``).
 
 With ``LoraRuntime.low_rank_first`` (``TrainerConfig.low_rank_first``) an unfolded module whose base product is a
 bf16/fp32 GEMM takes the same sums in the other order: t = z (sB)_c^T + b, then y = t + x W^T (``t.addmm_(x, W^T)``),
@@ -76,12 +78,15 @@ class LoraRuntime:
     """What the fused ops of one trainer share: ``casts``, the cache of A_c and (sB)_c (None: made per call), and
     ``grads_into_masters``: dL/dA and dL/dB added into the masters' ``.grad`` by the op itself (False: returned to
     autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never); ``low_rank_first``: the
-    rank-r product first and the base GEMM adding into it (module docstring; False: the base product first)."""
+    rank-r product first and the base GEMM adding into it (module docstring; False: the base product first);
+    ``chain_input_grads``: the ops that read one norm output add their input gradients into one sum in their GEMMs
+    (``chain_input_grads``; False: each returns its own to autograd)."""
 
     casts: CastCache | None = None
     grads_into_masters: bool = False
     fp8: Fp8Scope | None = None
     low_rank_first: bool = False
+    chain_input_grads: bool = False
 
     def fp8_use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
         """The fp8 copies one forward takes (``Fp8Scope.use``), or None: the base product in ``dtype``."""
@@ -161,15 +166,15 @@ def lora_param_grads(g, gz, x2, z, scaling: float, masters, into_masters: bool =
 
 def lora_backward(g, x2, w, a, sb, z, scaling: float, masters, need_x: bool = True, into_masters: bool = False,
                   needs=(True, True), fp8: Fp8Use | None = None, row_fold: RowFoldedWeight | None = None,
-                  low_rank_first: bool = False):
+                  low_rank_first: bool = False, into: torch.Tensor | None = None):
     """(dL/dx, dL/dA, dL/dB) given dL/dy = g (dL/dA, dL/dB: see ``lora_param_grads``); with ``row_fold`` (the
     [W ; A] buffer, ``fold_lora_a``) dL/dx and gz = g sB come from one product [g | gz] [W ; A]; ``low_rank_first``:
-    see ``lora_input_grad``."""
+    see ``lora_input_grad``; dL/dx added into ``into`` when given (``chain_input_grads``)."""
     if need_x and row_fold is not None:
-        grad_x, gz = folded_a_input_grad(g, sb, row_fold, a)
+        grad_x, gz = folded_a_input_grad(g, sb, row_fold, a, into)
     else:
         gz = g @ sb
-        grad_x = lora_input_grad(g, gz, w, a, fp8=fp8, low_rank_first=low_rank_first) if need_x else None
+        grad_x = lora_input_grad(g, gz, w, a, into, fp8, low_rank_first) if need_x else None
     return (grad_x, *lora_param_grads(g, gz, x2, z, scaling, masters, into_masters, needs))
 
 
@@ -200,6 +205,8 @@ class _LoraLinear(torch.autograd.Function):
         # the fp32 masters themselves (long-lived parameters): their dtypes, and their .grad where the op adds into it
         ctx.masters, ctx.into_masters = (lora_a, lora_b), runtime.grads_into_masters
         ctx.low_rank_first = runtime.low_rank_first
+        # n's readers sum dL/dn in their GEMMs where this op can add into the sum as it is (chain_input_grads)
+        ctx.chain = runtime.chain_input_grads and source is not None and not ctx.folded and x.dtype == dtype
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -212,10 +219,17 @@ class _LoraLinear(torch.autograd.Function):
             grad_x, grad_a, grad_b = _folded_backward(ctx, g, x2, z, w, a, sb)
         else:
             x2 = restore(kept, a.dtype, ctx.norm)
+            # a graph-building backward (create_graph) returns its own dx: in-place adds would be differentiated
+            chain = ctx.chain and ctx.needs_input_grad[0] and not torch.is_grad_enabled()
+            into = ctx.norm.input_grads.into() if chain else None
             grad_x, grad_a, grad_b = lora_backward(g, x2, w, a, sb, z, ctx.scaling, ctx.masters,
                                                    need_x=ctx.needs_input_grad[0], into_masters=ctx.into_masters,
                                                    needs=ctx.needs_input_grad[3:5], fp8=ctx.fp8,
-                                                   row_fold=ctx.row_fold, low_rank_first=ctx.low_rank_first)
+                                                   row_fold=ctx.row_fold, low_rank_first=ctx.low_rank_first,
+                                                   into=None if into is None else into.view(-1, into.shape[-1]))
+            if chain:  # the norm's backward returns the sum for n (chain_input_grads): autograd gets None for x
+                ctx.norm.input_grads.hold(grad_x.view(ctx.x_shape), into)
+                grad_x = None
         if grad_x is not None:
             grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None

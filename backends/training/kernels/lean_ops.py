@@ -38,7 +38,8 @@ With ``LoraRuntime.low_rank_first`` each unfolded bf16 projection takes its rank
 adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product, which up's then adds into.
 
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
-fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
+fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward; the norm's backward adds
+the sum of dL/dn that its chained readers left (``chain_input_grads``) to the gradient autograd hands it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
+        input_grads = getattr(ctx, "input_grads", None)  # set where the output was marked (_norm_forward)
+        if input_grads is not None:
+            grad = input_grads.take(grad)
         if grad is None:
             return None, None, None, None
         x, weight, rstd = ctx.saved_tensors
@@ -244,8 +248,11 @@ def lora_swiglu(x, gate, up, down, dtype=None, compile: bool = False, runtime: L
 
 def _norm_forward(self, hidden_states):
     y, rstd = _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, self._trajflow_compile)
-    if self._trajflow_recompute_norm:
-        mark(y, NormSource(hidden_states, self.weight, rstd, self._trajflow_compile))
+    if self._trajflow_recompute_norm and y.requires_grad:
+        source = NormSource(hidden_states, self.weight, rstd, self._trajflow_compile)
+        mark(y, source)
+        # y's node is this call's ctx: its backward takes what the readers that chain summed (chain_input_grads)
+        y.grad_fn.input_grads = source.shared.input_grads
     return y
 
 

@@ -39,6 +39,7 @@ from dataclasses import InitVar, dataclass, field
 
 import torch
 
+from backends.training.kernels.chain_input_grads import InputGradSum
 from backends.training.kernels.torch_compile import kernel
 
 
@@ -50,12 +51,13 @@ def normalized(x, weight, rstd):
 class Recompute:
     """One norm output's recomputation, shared by the ops that kept its source (q, k and v read the same output): the
     first of their backwards computes n, the others reuse it, the last drops it. Holds no input tensor (only n, and
-    only between those backwards), so it may live on an op's ctx without keeping activations alive."""
+    only between those backwards), so it may live on an op's ctx without keeping activations alive. ``input_grads``:
+    where the readers sum their input gradients (``chain_input_grads``), handed to the norm's backward."""
 
-    __slots__ = ("compile", "users", "n")
+    __slots__ = ("compile", "users", "n", "input_grads")
 
     def __init__(self, compile: bool):
-        self.compile, self.users, self.n = compile, 0, None
+        self.compile, self.users, self.n, self.input_grads = compile, 0, None, InputGradSum()
 
 
 @dataclass(frozen=True)
