@@ -131,6 +131,16 @@ def test_trainer_steps_are_the_same_bits_with_the_switch_on_and_off(tiny_model_p
         assert any(ref[n].abs().sum() > 0 for n in ref)
 
 
+def test_with_the_fused_lora_ops_and_checkpointing_too(tiny_model_path, monkeypatch):
+    cfg = dict(fused_lora="on", memory_efficient_ops="on", gradient_checkpointing=True, checkpoint_layer_fraction=0.5,
+               temperature=0.7, logprob_chunk=3, micro_batch_tokens=8, learning_rate=1e-2)
+    off, on = (_train(tiny_model_path, monkeypatch, mode, **cfg) for mode in ("off", "on"))
+    assert off[2] == 0 and on[2] > 0
+    for ours, ref in zip(on[0], off[0]):
+        assert {k: v for k, v in ours.items() if k not in IGNORED} == {k: v for k, v in ref.items() if k not in IGNORED}
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(on[1], off[1]) for n in a)
+
+
 def test_gspo_takes_the_recomputing_path(tiny_model_path, monkeypatch):
     cfg = dict(loss="gspo", logprob_chunk=2, micro_batch_tokens=8)
     trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(logprob_grad_in_forward="on", **cfg))
