@@ -162,6 +162,10 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "rope-off+warm-up": {"fused_rope": "off"},
     # an attention layer's q, k and v as one LoRA product (trainer.group_qkv, opt-in) against the defaults
     "group-qkv+warm-up": {"group_qkv": "on"},
+    # the loss' gradient through the output head computed in the logprob forward (no logits recomputed in backward;
+    # trainer.logprob_grad_in_forward, 'auto' on) against the recomputing backward
+    "mb24k-head-grad-off+warm-up": {"micro_batch_tokens": 24576, "logprob_grad_in_forward": "off"},
+    "mb24k-head-grad-on+warm-up": {"micro_batch_tokens": 24576, "logprob_grad_in_forward": "on"},
 }
 
 # aten ops whose counts per step the profile summary keeps (the ones the LoRA cast cache and grad accumulation cut)

@@ -379,6 +379,15 @@ class TrainerConfig(BaseModel):
         "then adds at most 2b/T + (b/T)^2 = 56% to a long micro-batch's attention FLOPs at b = 512, below cuDNN's "
         "gain. Lower it to send more micro-batches to cuDNN, raise it to keep varlen.",
     )
+    logprob_grad_in_forward: Switch = Field(
+        default="auto",
+        description="For a separable loss (cispo, ppo: each token's loss reads its own logprob alone), compute the "
+        "loss' gradient through the output head in the logprob forward, chunk by chunk while the logits are there "
+        "(backends/training/logprob_grad_in_forward.py): the backward no longer recomputes each chunk's [chunk, V] "
+        "logits, and dL/dh is kept instead of h (the same size). The same loss, stats and gradients (float32: the "
+        "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on, CUDA and "
+        "CPU alike (one [chunk, V] x H product less per chunk on either; the same numbers).",
+    )
     logprob_chunk: int = Field(
         default=1024, ge=1,
         description="Tokens per chunk when projecting hidden states onto the vocabulary: logits exist for "
@@ -441,7 +450,8 @@ class TrainerConfig(BaseModel):
         only with fused_lora, and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base;
         low_rank_first only with fused_lora, its 'auto' on CUDA, with fp8_base too (its fp8 modules keep their order
         in the op itself);
-        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
+        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base;
+        logprob_grad_in_forward's 'auto' is on on every device."""
         mode = getattr(self, switch)
         if switch == "chain_input_grads" and not self.enabled("recompute_norm", on_cuda):
             return False
@@ -459,6 +469,8 @@ class TrainerConfig(BaseModel):
         if switch in ("fold_lora_b", "fold_lora_a") and (not self.enabled("fused_lora", on_cuda)
                                                          or self.enabled("fp8_base", on_cuda)):
             return False
+        if switch == "logprob_grad_in_forward":
+            return mode != "off"
         return mode == "on" or (mode == "auto" and on_cuda)
 
     def micro_batch_budget(self, on_cuda: bool) -> int:

@@ -124,7 +124,12 @@ class LossResult:
         raise AttributeError(name)
 
 
-def policy_loss(
+# Losses whose step loss is sum_t w_t l_t with l_t a function of logp_t alone: dL/dlogp_t is known as soon as logp_t is
+# (backends/training/logprob_grad_in_forward.py). GSPO's l_t reads its whole row's logps.
+SEPARABLE_LOSSES = ("cispo", "ppo")
+
+
+def weighted_token_losses(
     logp: torch.Tensor,
     sampler_logp: torch.Tensor,
     adv: torch.Tensor,
@@ -136,9 +141,9 @@ def policy_loss(
     eps_high: float = 4.0,
     tis_cap: float | None = None,
     n_rows: int | None = None,
-) -> LossResult:
-    """The weighted objective over one micro-batch's trained tokens (all 1-D tensors of equal length); ``n_rows``:
-    how many rows ``row_index`` counts (GSPO; None: read from the device)."""
+):
+    """w_t * tis_t * l_t for each trained token (its sum is the step loss' share of these tokens), and what the
+    metrics read: (weighted losses, ratio, clipped mask, tis weights, log mismatch logp - sampler_logp)."""
     logp32 = logp.float()
     sampler = sampler_logp.float()
     log_mismatch = logp32.detach() - sampler
@@ -156,7 +161,23 @@ def policy_loss(
         per_token, ratio, clipped = gspo_loss(logp32, old, adv, row_index, eps, eps_high, n_rows)
     else:
         raise ValueError(f"unknown loss {loss!r}")
-    total = (per_token * tis_w * weights).sum()
+    return per_token * tis_w * weights, ratio, clipped, tis_w, log_mismatch
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    adv: torch.Tensor,
+    weights: torch.Tensor,
+    row_index: torch.Tensor,
+    **options,
+) -> LossResult:
+    """The weighted objective over one micro-batch's trained tokens (all 1-D tensors of equal length);
+    ``options``: ``weighted_token_losses``' (``n_rows``: how many rows ``row_index`` counts, for GSPO; None: read
+    from the device)."""
+    weighted, ratio, clipped, tis_w, log_mismatch = weighted_token_losses(logp, sampler_logp, adv, weights, row_index,
+                                                                          **options)
+    total = weighted.sum()
     mismatch_ratio = torch.exp(log_mismatch)
     if logp.numel() == 0:
         raise ValueError("policy_loss needs at least one trained token")

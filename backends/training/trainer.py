@@ -74,7 +74,14 @@ from backends.training.kernels.lora_cast_cache import CastCache
 from backends.training.kernels import fused_rope
 from backends.training.kernels.lean_ops import patch_model
 from backends.training.logprobs import chunked_logprobs
-from backends.training.losses import LossResult, assign_aggregation_weights, policy_loss
+from backends.training.logprob_grad_in_forward import logprobs_with_head_grad
+from backends.training.losses import (
+    SEPARABLE_LOSSES,
+    LossResult,
+    assign_aggregation_weights,
+    policy_loss,
+    weighted_token_losses,
+)
 from backends.training.attention_choice import AttentionChoice
 from backends.training.packed_attention import (PackedAttention, build_row_plans, install_varlen_attention,
                                                packed_forward, prepared_mask)
@@ -356,16 +363,21 @@ class GRPOTrainer:
         """The token budget of a micro-batch: ``TrainerConfig.micro_batch_tokens`` or its default for this device."""
         return self.config.micro_batch_budget(self.device.type == "cuda")
 
-    def _token_logprobs(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logprobs(self, mb: MicroBatch, temperature: float | None = None, token_loss=None):
         """(logp, entropy) of the micro-batch's trained tokens under the current model, the logits divided by
-        `temperature` (None: the sampler's, ``TrainerConfig.temperature``)."""
+        `temperature` (None: the sampler's, ``TrainerConfig.temperature``). With ``token_loss`` (a separable loss'
+        share of the tokens of a slice, given their logp) a ``HeadGradInForward`` instead: logp and entropy detached,
+        the loss' gradient through the output head already computed (``logprob_grad_in_forward.py``)."""
         if self.device.type == "cpu":  # the previous micro-batch's activations, freed, go back to the OS first
             release_freed_memory()
         hidden = self._hidden(mb).index_select(0, mb.pred_index)
         weight = self._lm.get_output_embeddings().weight
         temperature = self.config.temperature if temperature is None else temperature
-        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, temperature,
-                                compile=self.config.enabled("compile_logprobs", self.device.type == "cuda"))
+        compile = self.config.enabled("compile_logprobs", self.device.type == "cuda")
+        if token_loss is not None:
+            return logprobs_with_head_grad(hidden, weight, mb.targets, token_loss, self.config.logprob_chunk,
+                                           temperature, compile)
+        return chunked_logprobs(hidden, weight, mb.targets, self.config.logprob_chunk, temperature, compile=compile)
 
     def lora_casts_scope(self):
         """Where the fused LoRA ops reuse their weights' compute-dtype copies (``cache_lora_casts``): one step's
@@ -377,12 +389,33 @@ class GRPOTrainer:
     def _micro_batch_step(self, mb: MicroBatch, eps: float, eps_high: float):
         """Forward, loss and backward of one micro-batch, gradients accumulating; returns (LossResult, entropy sum),
         both still on the device: nothing here waits for the GPU (tests/unit/backends/training/test_host_syncs.py)."""
-        cfg = self.config
-        logp, entropy = self._token_logprobs(mb)
-        res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
-                          loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap, n_rows=len(mb.rows))
+        res, entropy = self._micro_batch_loss(mb, eps, eps_high)
         res.loss.backward()
         return res, entropy.sum()
+
+    def head_grad_in_forward(self) -> bool:
+        """Whether the step's loss gradient through the output head is computed in the logprob forward: the switch
+        ``logprob_grad_in_forward`` resolved, and only for a separable loss (``losses.SEPARABLE_LOSSES``)."""
+        on_cuda = self.device.type == "cuda"
+        return self.config.loss in SEPARABLE_LOSSES and self.config.enabled("logprob_grad_in_forward", on_cuda)
+
+    def _micro_batch_loss(self, mb: MicroBatch, eps: float, eps_high: float) -> tuple[LossResult, torch.Tensor]:
+        """(LossResult, entropy [N]) of one micro-batch, its loss ready to backward; the same values and gradients
+        whichever way ``head_grad_in_forward`` says."""
+        cfg = self.config
+        options = dict(loss=cfg.loss, eps=eps, eps_high=eps_high, tis_cap=cfg.tis_cap, n_rows=len(mb.rows))
+        per_token = (mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index)
+        if not self.head_grad_in_forward():
+            logp, entropy = self._token_logprobs(mb)
+            return policy_loss(logp, *per_token, **options), entropy
+
+        def token_loss(logp: torch.Tensor, sl: slice) -> torch.Tensor:
+            return weighted_token_losses(logp, *(t[sl] for t in per_token), **options)[0].sum()
+
+        head = self._token_logprobs(mb, token_loss=token_loss)
+        res = policy_loss(head.logp, *per_token, **options)
+        res.loss = head.attach(res.loss)
+        return res, head.entropy
 
     def _check_vocabulary(self, rows: Sequence[TrainingRow]) -> None:
         for r in rows:
@@ -560,9 +593,7 @@ class GRPOTrainer:
         with self.fp8_scope():  # the training forwards' kernels, the fp8 quantization's compile included
             for lengths in self._warm_up_lengths(micro_batches):
                 for mb in self._micro_batches([self._warm_up_row(n) for n in lengths]):
-                    logp, _ = self._token_logprobs(mb)
-                    res = policy_loss(logp, mb.sampler_logprobs, mb.advantages, mb.weights, mb.row_index,
-                                      loss=self.config.loss, eps=0.2, eps_high=0.2, tis_cap=self.config.tis_cap)
+                    res, _ = self._micro_batch_loss(mb, 0.2, 0.2)
                     (res.loss * 0.0).backward()
                     runs["micro_batches"] += 1
                     runs["tokens"] += mb.tokens
