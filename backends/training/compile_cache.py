@@ -110,6 +110,11 @@ def decode(data: bytes, fields: dict) -> bytes:
     return payload
 
 
+def _count(info) -> int:
+    """Entries of a ``torch.compiler`` CacheInfo (0 where a torch version names them otherwise)."""
+    return sum(len(v) for v in getattr(info, "artifacts", {}).values())
+
+
 def _hits() -> int:
     from torch._dynamo.utils import counters
 
@@ -149,7 +154,7 @@ class CompileCache:
             self._warn("entry", exc)
             return
         self._valid_stored = True
-        self.runs["compile_cache_loaded"] = sum(len(v) for v in info.artifacts.values())
+        self.runs["compile_cache_loaded"] = _count(info)
         log.info("compile cache %s: %d artifacts loaded", self.key[:12], self.runs["compile_cache_loaded"])
 
     def save(self) -> None:
@@ -169,5 +174,5 @@ class CompileCache:
         except Exception as exc:  # noqa: BLE001 - a read-only or unreachable store only costs the next compile
             self._warn("write of", exc)
             return
-        self.runs["compile_cache_saved"] = sum(len(v) for v in info.artifacts.values())
+        self.runs["compile_cache_saved"] = _count(info)
         log.info("compile cache %s: %d artifacts saved", self.key[:12], self.runs["compile_cache_saved"])
