@@ -20,6 +20,11 @@ Choices:
    more (a later graph: the KL passes' no-grad forward, say); a corrupt or mismatched one is.
 2. Loaded once, at trainer construction before the warm-up: compiles that ran in this process earlier (another
    component's) are not affected; those after it read the loaded entries.
+3. What the entries spare is torch's own: tracing, lowering and code generation (FX graph and AOT autograd entries).
+   Inductor bundles the Triton kernels' binaries into its graph entries by default (its config's
+   ``bundle_triton_into_fx_graph_cache``), so on CUDA they come along; on the CPU the C++ kernels are built again by
+   the compiler from the loaded source (seen on the CPU: the loading process's fresh inductor folder held the same
+   12 built libraries as the saving one's).
 """
 
 from __future__ import annotations
@@ -157,13 +162,14 @@ class CompileCache:
         self.runs["compile_cache_loaded"] = _count(info)
         log.info("compile cache %s: %d artifacts loaded", self.key[:12], self.runs["compile_cache_loaded"])
 
-    def save(self) -> None:
-        """Once: record the hits since ``load``; store this process's artifacts unless a valid entry is stored."""
+    def save(self, write: bool = True) -> None:
+        """Once: record the hits since ``load``; with ``write`` (rank 0), store this process's artifacts unless a valid
+        entry is stored."""
         if self._saved:
             return
         self._saved = True
         self.runs["compile_cache_hits"] = _hits() - self._hits_at_load
-        if self._valid_stored:
+        if self._valid_stored or not write:
             return
         try:
             saved = torch.compiler.save_cache_artifacts()

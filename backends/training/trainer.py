@@ -283,8 +283,7 @@ class GRPOTrainer:
         """After the first compiles (the warm-up, or the first step without one): rank 0 stores them once."""
         if self.compile_cache is None:
             return
-        if distributed.world()[0] == 0:
-            self.compile_cache.save()
+        self.compile_cache.save(write=distributed.world()[0] == 0)
         self.warm_up_runs.update(self.compile_cache.runs)
 
     def _fp8_scope(self, config: TrainerConfig, fused_peft: bool) -> Fp8Scope | None:

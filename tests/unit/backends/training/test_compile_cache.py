@@ -121,3 +121,26 @@ def test_nothing_compiled_nothing_stored(tmp_path, artifacts):
     cache.load()
     cache.save()
     assert store.get(cache.key) is None and cache.runs["compile_cache_saved"] == 0
+
+
+def test_only_the_writing_rank_stores(tmp_path, artifacts):
+    store = StoreCompileCache(RunStore(str(tmp_path), "project", "run"))
+    cache = CompileCache(store, FIELDS)
+    cache.load()
+    cache.save(write=False)
+    assert store.get(cache.key) is None and cache.runs["compile_cache_saved"] == 0
+
+
+def test_a_trainer_without_warm_up_stores_after_its_first_step_and_reports_it(tiny_model_path, tmp_path, artifacts):
+    from backends.training.config import TrainerConfig
+    from backends.training.trainer import GRPOTrainer
+    from tests.fixtures_trainer import synthetic_group
+
+    store = StoreCompileCache(RunStore(str(tmp_path), "project", "run"))
+    trainer = GRPOTrainer(str(tiny_model_path), TrainerConfig(compile_cache="on", warm_up="off"), compile_cache=store)
+    assert trainer.compile_cache is not None and store.get(trainer.compile_cache.key) is None
+    trainer.train_step([synthetic_group([0.0, 1.0])])
+    assert trainer.warm_up_runs["compile_cache_saved"] == 2
+    assert decode(store.get(trainer.compile_cache.key), trainer.compile_cache.fields) == b"compiled"
+    off = GRPOTrainer(str(tiny_model_path), TrainerConfig(warm_up="off"), compile_cache=store)  # 'auto': CUDA only
+    assert off.compile_cache is None
