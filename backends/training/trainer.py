@@ -60,8 +60,8 @@ from backends.modeling.host_memory import release_freed_memory
 from backends.modeling.intra_op_threads import single_thread_on_cpu
 from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
-from backends.training.compile_cache import ArtifactStore, CompileCache, key_fields
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
+from backends.training.compile_cache import ArtifactStore, CompileCache, key_fields
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
