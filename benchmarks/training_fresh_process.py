@@ -32,7 +32,8 @@ standing in for the run's storage: ``TrainerConfig.compile_cache``, ``backends/t
 configuration's previous ``cold-cache`` or ``store-cache`` run saved its compile artifacts into: a fresh machine of a
 run whose earlier update stored them. A ``cold-cache`` run gets a new empty store (it compiles, then saves into it);
 a ``warm-cache`` run none. ``warm_up_runs`` then says what was loaded (``compile_cache_loaded``), how many local cache
-hits followed (``compile_cache_hits``) and what was saved (``compile_cache_saved``).
+hits followed (``compile_cache_hits``) and what was saved (``compile_cache_saved``). ``--smoke`` turns the compile
+cache on (its 'auto' is off on the CPU; with nothing compiled it stores nothing).
 
 Model, rows and definitions as ``benchmarks/training.py`` (Qwen2.5-1.5B shape, random weights, bf16, LoRA r16 on
 all linear layers, synthetic multi-turn rows of 2k-16k tokens, ~98k tokens per step, 16k per micro-batch).
@@ -47,6 +48,11 @@ forward, so 3x that forward + backward.
     RUNS=defaults+warm-up:cold-cache,varlen+warm-up:cold-cache,cudnn+warm-up:cold-cache,cudnn-mb24k+warm-up:cold-cache
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
         --out $OUT/training-fresh-auto-h200.json
+
+    # a fresh machine whose run storage holds the compile artifacts of an earlier update (trainer.compile_cache):
+    # cold local caches, then cold local caches with the store the cold run filled
+    python benchmarks/training_fresh_process.py --steps 2 --steady-steps 1 \\
+        --runs defaults+warm-up:cold-cache,defaults+warm-up:store-cache --out $OUT/training-fresh-store-cache-h200.json
 
     # where the ~0.4 s a step that no kernel uses goes (GPU idle gaps, CUDA time by category, host time)
     python benchmarks/training_fresh_process.py --steps 6 --steady-steps 2 --profile-steps 4 --profile-shapes \\
@@ -94,13 +100,7 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-low-rank-first-h200.json
 
-    # a fresh machine whose run storage holds the compile artifacts of an earlier update (trainer.compile_cache):
-    # cold local caches, then cold local caches with the store the cold run filled
-    python benchmarks/training_fresh_process.py --steps 2 --steady-steps 1 \\
-        --runs defaults+warm-up:cold-cache,defaults+warm-up:store-cache --out $OUT/training-fresh-store-cache-h200.json
-
-``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not), and turns the compile cache
-on (its 'auto' is off on the CPU; with nothing compiled it stores nothing).
+``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
 from __future__ import annotations
