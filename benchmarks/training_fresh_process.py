@@ -27,7 +27,13 @@ speed of the 7th variant in a warm process (``benchmarks/training.py``) but, per
 Each configuration runs as its own child process (``--child``), one after another, never two at once. The
 compile cache (``TORCHINDUCTOR_CACHE_DIR``) is a fresh empty folder for ``cold-cache`` runs and the folder a
 previous child filled for ``warm-cache`` runs: a spot machine starts with the first, a per-step process on the
-same machine (or one that restored the cache from the run's storage) gets the second.
+same machine gets the second. A ``store-cache`` run has a fresh empty folder too, and the run store (a local folder
+standing in for the run's storage: ``TrainerConfig.compile_cache``, ``backends/training/compile_cache.py``) that the
+configuration's previous ``cold-cache`` or ``store-cache`` run saved its compile artifacts into: a fresh machine of a
+run whose earlier update stored them. A ``cold-cache`` run gets a new empty store (it compiles, then saves into it);
+a ``warm-cache`` run none. ``warm_up_runs`` then says what was loaded (``compile_cache_loaded``), how many local cache
+hits followed (``compile_cache_hits``) and what was saved (``compile_cache_saved``). ``--smoke`` turns the compile
+cache on (its 'auto' is off on the CPU; with nothing compiled it stores nothing).
 
 Model, rows and definitions as ``benchmarks/training.py`` (Qwen2.5-1.5B shape, random weights, bf16, LoRA r16 on
 all linear layers, synthetic multi-turn rows of 2k-16k tokens, ~98k tokens per step, 16k per micro-batch).
@@ -42,6 +48,11 @@ forward, so 3x that forward + backward.
     RUNS=defaults+warm-up:cold-cache,varlen+warm-up:cold-cache,cudnn+warm-up:cold-cache,cudnn-mb24k+warm-up:cold-cache
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --profile-steps 5 --runs $RUNS \\
         --out $OUT/training-fresh-auto-h200.json
+
+    # a fresh machine whose run storage holds the compile artifacts of an earlier update (trainer.compile_cache):
+    # cold local caches, then cold local caches with the store the cold run filled
+    python benchmarks/training_fresh_process.py --steps 2 --steady-steps 1 \\
+        --runs defaults+warm-up:cold-cache,defaults+warm-up:store-cache --out $OUT/training-fresh-store-cache-h200.json
 
     # where the ~0.4 s a step that no kernel uses goes (GPU idle gaps, CUDA time by category, host time)
     python benchmarks/training_fresh_process.py --steps 6 --steady-steps 2 --profile-steps 4 --profile-shapes \\
@@ -127,6 +138,9 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # 'auto' is chosen per micro-batch (cuDNN rows where every row is long, else varlen): these are its two sides
     "varlen+warm-up": {"attention_kernel": "varlen"},  # the 'auto' before the per-micro-batch choice
     "cudnn-mb24k+warm-up": {"attention_kernel": "cudnn", "micro_batch_tokens": 24576},  # over --micro-batch-tokens
+    # the defaults where the logprob kernels compile on the CPU too (on CUDA the same as the defaults): a smoke of the
+    # compile cache, whose runs compile nothing on the CPU otherwise
+    "compiled-logprobs+warm-up": {"compile_logprobs": "on"},
     # the defaults with fewer, larger micro-batches (fewer launches per token; more activation memory: <= 40 GiB?)
     "mb24k+warm-up": {"micro_batch_tokens": 24576},
     "mb32k+warm-up": {"micro_batch_tokens": 32768},
@@ -237,6 +251,8 @@ def child(args) -> None:
     settings = CONFIGS[args.config]
     if args.smoke and args.config.endswith("+warm-up"):  # 'auto' warms up on CUDA only: the smoke runs it too
         settings = {"warm_up": "on", **settings}
+    if args.smoke:
+        settings = {"compile_cache": "on", **settings}
     # fused_lora's 'auto' is off on the CPU: the smoke turns it on for the switches that act only with it
     if args.smoke and "on" in (settings.get("fp8_base"), settings.get("group_qkv"), settings.get("fold_lora_a"),
                                   settings.get("low_rank_first")):
@@ -250,7 +266,14 @@ def child(args) -> None:
     if cuda:
         torch.cuda.synchronize()
     t_model = time.time()
-    trainer = GRPOTrainer("bench", cfg, device=device, model=model, tokenizer=build_tiny_tokenizer())
+    store = None
+    if args.compile_store:
+        from storage.compile_cache import StoreCompileCache
+        from storage.store import RunStore
+
+        store = StoreCompileCache(RunStore(args.compile_store, "bench", "run"))
+    trainer = GRPOTrainer("bench", cfg, device=device, model=model, tokenizer=build_tiny_tokenizer(),
+                          compile_cache=store)
     if cuda:
         torch.cuda.synchronize()
     t_trainer = time.time()
@@ -332,6 +355,27 @@ def child(args) -> None:
     Path(args.child_out).write_text(json.dumps(out))
 
 
+CACHE_MODES = ("cold-cache", "warm-cache", "store-cache")
+
+
+class CacheFolders:
+    """Each run's local compile cache folder and run store (see the module docstring), per configuration, under
+    ``work``."""
+
+    def __init__(self, work: Path):
+        self.work, self.inductor, self.stores = work, {}, {}
+
+    def of(self, config: str, cache: str) -> tuple[Path, Path | None]:
+        """(``TORCHINDUCTOR_CACHE_DIR``, run store root or None) of the next ``config`` run with ``cache``."""
+        if cache != "warm-cache" or config not in self.inductor:
+            self.inductor[config] = Path(tempfile.mkdtemp(prefix="inductor-", dir=self.work))
+        if cache == "warm-cache":
+            return self.inductor[config], None
+        if cache == "cold-cache" or config not in self.stores:
+            self.stores[config] = Path(tempfile.mkdtemp(prefix="store-", dir=self.work))
+        return self.inductor[config], self.stores[config]
+
+
 def _rate(steps: list[dict]) -> float:
     return sum(s["tokens"] for s in steps) / sum(s["wall_s"] for s in steps)
 
@@ -391,6 +435,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="defaults", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-store", default="", help=argparse.SUPPRESS)
     ap.add_argument("--profile-steps", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="comma list of steps to run under torch.profiler (diagnosis; slows those steps)")
     ap.add_argument("--profile-shapes", action="store_true", help="profiled steps record input shapes")
@@ -401,18 +446,18 @@ def main() -> None:
         return
 
     runs, summary = [], []
-    caches = {}
-    work = Path(tempfile.mkdtemp(prefix="fresh-process-"))
+    caches = CacheFolders(Path(tempfile.mkdtemp(prefix="fresh-process-")))
+    work = caches.work
     for pair in args.runs.split(","):
         config, cache = pair.split(":")
-        if config not in CONFIGS or cache not in ("cold-cache", "warm-cache"):
-            raise SystemExit(f"unknown run {pair!r}: configs {list(CONFIGS)}, caches cold-cache|warm-cache")
-        if cache == "cold-cache" or config not in caches:
-            caches[config] = Path(tempfile.mkdtemp(prefix="inductor-", dir=work))
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches[config]), "PYTHONPATH": os.pathsep.join(
+        if config not in CONFIGS or cache not in CACHE_MODES:
+            raise SystemExit(f"unknown run {pair!r}: configs {list(CONFIGS)}, caches {'|'.join(CACHE_MODES)}")
+        inductor, store = caches.of(config, cache)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "PYTHONPATH": os.pathsep.join(
             [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
         child_out = work / f"{len(runs)}.json"
         cmd = [sys.executable, __file__, "--child", "--config", config, "--child-out", str(child_out),
+               "--compile-store", str(store or ""),
                "--steps", str(args.steps), "--step-tokens", str(args.step_tokens),
                "--micro-batch-tokens", str(args.micro_batch_tokens),
                "--profile-steps", ",".join(map(str, args.profile_steps))] + (["--smoke"] if args.smoke else []) \

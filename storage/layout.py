@@ -22,6 +22,8 @@
                                      sft-progress/<NNNNNN>/{adapter,trainer}/   its save point after NNNNNN
                                                          optimizer steps (removed once training.json exists)
 <root>/<project>/<run>/judge-cache/<hash>.json           judge verdicts by content hash
+<root>/<project>/<run>/compile-cache/<hash>.bin          the trainer's torch.compile artifacts, by what makes them
+                                                         valid (backends/training/compile_cache.py)
 <root>/<project>/<run>/recoveries/<flow run id>.json      a crashed flow run of a deployment and what `recover` did
 <root>/<project>/<run>/evaluations/<stamp>/...           `trajflow eval` rollouts; <stamp>.json, <stamp>.png
 <root>/<project>/<run>/prefect-results/                  Prefect's cache records for the run's tasks
@@ -63,6 +65,7 @@ SFT_PROGRESS = f"{SFT_DIR}/progress.json"
 
 # inside a run
 JUDGE_CACHE_DIR = "judge-cache"
+COMPILE_CACHE_DIR = "compile-cache"
 RECOVERIES_DIR = "recoveries"
 EVALUATIONS_DIR = "evaluations"
 PREFECT_RESULTS_DIR = "prefect-results"
@@ -92,6 +95,14 @@ def sft_save_point(optimizer_steps: int) -> str:
 
 def judge_cache_file(key: str) -> str:
     return f"{JUDGE_CACHE_DIR}/{key}.json"
+
+
+def compile_cache_file(key: str) -> str:
+    """``compile-cache/<key>.bin``: the trainer's compile artifacts under ``key``, a sha256 hex digest (anything else,
+    a path or ``..``, is an InvalidNameError: the name never leaves the folder)."""
+    if not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise InvalidNameError(f"compile cache key must be a 64-char lowercase sha256 hex digest, got {str(key)[:80]!r}")
+    return f"{COMPILE_CACHE_DIR}/{key}.bin"
 
 
 def recovery_file(flow_run_id: str) -> str:

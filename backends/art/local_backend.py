@@ -42,6 +42,7 @@ from backends.policy.publish import publish_step
 from backends.policy.sft import sft_metrics, sft_step
 from backends.training.sft_config import SFTConfig
 from backends.training.sft_data import BadLines, demonstrations_of
+from storage.compile_cache import StoreCompileCache
 from storage.fork import fork_run
 from storage.layout import ADAPTER_DIR, logged_split
 from storage.lease import RunLease
@@ -211,7 +212,8 @@ class LocalBackend(BackendAPI):
         record = {**(stored or {}), "project": model.project, "run": model.name, "base_model": model.base_model,
                   "storage": self.storage, "trainer": config.model_dump(mode="json")}
         trainer = state.trainer = await asyncio.to_thread(GRPOTrainer, model.base_model, config,
-                                                          resolve_device(self.device))
+                                                          resolve_device(self.device),
+                                                          compile_cache=StoreCompileCache(store))
         latest = store.latest_step()
         if latest is None:
             await asyncio.to_thread(initialize, store, lambda: trainer)

@@ -62,6 +62,7 @@ from backends.modeling.intra_op_threads import single_thread_on_cpu
 from backends.modeling.logits import logits_fp32
 from backends.training.advantages import kl_shaping
 from backends.training.checkpoint import check_compatible, read_checkpoint, restore_rng, write_checkpoint
+from backends.training.compile_cache import ArtifactStore, CompileCache, key_fields
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
@@ -179,7 +180,10 @@ class GRPOTrainer:
     """LoRA GRPO trainer over exact-token rows; see the module docstring for one step's anatomy."""
 
     def __init__(self, base_model: str, config: TrainerConfig | None = None, device: str = "cpu", model=None,
-                 tokenizer=None):
+                 tokenizer=None, compile_cache: ArtifactStore | None = None):
+        """``compile_cache``: where compiled kernels persist between processes (the run's storage:
+        ``storage.compile_cache.StoreCompileCache``); None keeps only the local inductor caches. Used where
+        ``TrainerConfig.compile_cache`` is on."""
         from peft import LoraConfig, PeftModel, get_peft_model
 
         self.config = config = config or TrainerConfig()
@@ -272,7 +276,25 @@ class GRPOTrainer:
         self.metrics_history: list[dict[str, float]] = []
         self.vocab_size = int(self._lm.get_output_embeddings().weight.shape[0])
         self.warm_up_runs: dict[str, int] = {}
+        self.compile_cache = self._load_compile_cache(config, compile_cache)
         self.warm_up_s = self.warm_up() if config.enabled("warm_up", self.device.type == "cuda") else 0.0
+
+    def _load_compile_cache(self, config: TrainerConfig, store: ArtifactStore | None) -> CompileCache | None:
+        """The compile cache of this trainer's key in ``store``, its entry loaded (``compile_cache``); None where the
+        switch is off or there is no store."""
+        if store is None or not config.enabled("compile_cache", self.device.type == "cuda"):
+            return None
+        settings = {k: getattr(config, k) for k in TrainerConfig.COMPILE_FIELDS}
+        cache = CompileCache(store, key_fields(self.device, self.dtype, settings, self._lm.config.to_dict()))
+        cache.load()
+        return cache
+
+    def _save_compile_cache(self) -> None:
+        """After the first compiles (the warm-up, or the first step without one): rank 0 stores them once."""
+        if self.compile_cache is None:
+            return
+        self.compile_cache.save(write=distributed.world()[0] == 0)
+        self.warm_up_runs.update(self.compile_cache.runs)
 
     def _fp8_scope(self, config: TrainerConfig, fused_peft: bool) -> Fp8Scope | None:
         """The FP8 scope where ``fp8_base`` is on, else None; 'on' where it cannot run is an error naming why."""
@@ -543,6 +565,7 @@ class GRPOTrainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+        self._save_compile_cache()  # a no-op after the warm-up's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         peak = self._peak_memory_gib()  # data-parallel: this rank's
@@ -607,6 +630,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warm_up_runs = runs
+        self._save_compile_cache()
         seconds = time.perf_counter() - start
         log.info("trainer warm-up: %d micro-batches, %d tokens, %d padded row lengths (bucket %d), %.1f s",
                  runs["micro_batches"], runs["tokens"], runs["bucket_lengths"], runs["bucket"], seconds)

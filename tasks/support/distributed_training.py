@@ -146,17 +146,20 @@ def _run_rank(config: RunConfig, step: int, rank: int) -> None:
     from backends.policy.checkpoints import initialize, load_checkpoint, train_step
     from backends.training import distributed
     from backends.training.trainer import GRPOTrainer
+    from storage.compile_cache import StoreCompileCache
     from storage.store import RunStore
     from tasks.support.crash_points import crash_point
 
     store = RunStore(config.storage, config.project, config.run)
+    cache = StoreCompileCache(store)  # every rank loads the run's compiled kernels; rank 0 alone stores them
     device = resolve_device(config.training.device)
     if step == 0:  # one process, the first training GPU
-        initialize(store, lambda: GRPOTrainer(config.base_model, config.trainer, device=device.partition(":")[0]))
+        initialize(store, lambda: GRPOTrainer(config.base_model, config.trainer, device=device.partition(":")[0],
+                                              compile_cache=cache))
         return
     device = distributed.init_from_torchrun(device)
     try:
-        trainer = GRPOTrainer(config.base_model, config.trainer, device=device)
+        trainer = GRPOTrainer(config.base_model, config.trainer, device=device, compile_cache=cache)
         load_checkpoint(store, step - 1, trainer)
         crash_point(f"training-rank{rank}", step)  # resume tests: a rank killed while the others wait for it
         train_step(store, step, trainer, after_update=lambda s: crash_point("training", s), write=rank == 0,

@@ -191,12 +191,9 @@ class Runtime:
     # ---- training --------------------------------------------------------------------------
     def trainer_at(self, step: int):
         """The trainer holding exactly the committed checkpoint of `step` (loaded from storage if needed)."""
-        from backends.training.trainer import GRPOTrainer
-
         with self._lock:
             if self._trainer is None:
-                self._trainer = GRPOTrainer(self.config.base_model, self.config.trainer,
-                                            device=resolve_device(self.config.training.device))
+                self._trainer = self._new_trainer()
                 self._trainer_step = None
             if self._trainer_step != step:
                 load_checkpoint(self.store, step, self._trainer)
@@ -205,13 +202,19 @@ class Runtime:
 
     def fresh_trainer(self):
         """A trainer at its seeded initial state (step 0)."""
-        from backends.training.trainer import GRPOTrainer
-
         with self._lock:
-            self._trainer = GRPOTrainer(self.config.base_model, self.config.trainer,
-                                        device=resolve_device(self.config.training.device))
+            self._trainer = self._new_trainer()
             self._trainer_step = 0
             return self._trainer
+
+    def _new_trainer(self):
+        """A trainer on the run's training device, its compiled kernels carried in the run's storage."""
+        from backends.training.trainer import GRPOTrainer
+        from storage.compile_cache import StoreCompileCache
+
+        return GRPOTrainer(self.config.base_model, self.config.trainer,
+                           device=resolve_device(self.config.training.device),
+                           compile_cache=StoreCompileCache(self.store))
 
     def mark_trainer_step(self, step: int) -> None:
         with self._lock:

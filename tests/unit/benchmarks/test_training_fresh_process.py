@@ -1,12 +1,12 @@
 """The fresh-process training benchmark's opt-in runs (fp8, group-qkv): their configuration; the logprob gap the fp8 run
-records once."""
+records once; which compile cache folder and run store each cache mode's run gets."""
 
 import pytest
 
 from backends.training.config import TrainerConfig
 from backends.training.token_rows import build_rows
 from backends.training.trainer import GRPOTrainer
-from benchmarks.training_fresh_process import CONFIGS, fp8_logprob_gap, summarise_run
+from benchmarks.training_fresh_process import CACHE_MODES, CONFIGS, CacheFolders, fp8_logprob_gap, summarise_run
 from tests.fixtures_trainer import synthetic_group
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -55,3 +55,16 @@ def test_the_summary_carries_the_gap():
     summary = summarise_run(run, steady_steps=1)
     assert summary["fp8_lora_layers"] == 196 and summary["fp8_logprob_gap"]["max"] == 0.2
     assert summary["grouped_qkv_layers"] == 28
+
+
+def test_a_store_cache_run_has_fresh_local_caches_and_the_store_the_cold_run_filled(tmp_path):
+    folders = CacheFolders(tmp_path)
+    cold_inductor, cold_store = folders.of("defaults+warm-up", "cold-cache")
+    warm_inductor, warm_store = folders.of("defaults+warm-up", "warm-cache")
+    store_inductor, store = folders.of("defaults+warm-up", "store-cache")
+    assert warm_inductor == cold_inductor and warm_store is None  # the local cache the cold run filled, no store
+    assert store_inductor not in (cold_inductor, warm_inductor) and store == cold_store
+    again_inductor, again_store = folders.of("defaults+warm-up", "cold-cache")
+    assert again_inductor != store_inductor and again_store != cold_store  # cold: nothing carried over
+    assert folders.of("fp8+warm-up", "store-cache")[1] not in (cold_store, again_store)  # per configuration
+    assert set(CACHE_MODES) == {"cold-cache", "warm-cache", "store-cache"}

@@ -34,7 +34,7 @@ FILE_NAMES = frozenset({
     "run.json", "lease.json", "manifest.json", "manifest.json.corrupt-", "scenarios.json", "scored.parquet",
     "adapter_config.json", "adapter_model.safetensors",
     "state.pt", "trainer.json", "metrics.json", "training.json", "progress.json", "eval.parquet", "reward_curve.png",
-    "judge-cache", "prefect-results", "recoveries",
+    "judge-cache", "compile-cache", "prefect-results", "recoveries",
 })
 DIR_NAMES = frozenset({"steps", "groups", "adapter", "trainer", "eval", "logs", "evaluations", "sft-progress"})
 
