@@ -437,7 +437,7 @@ class TrainerConfig(BaseModel):
 
     # What the compiled kernels' code depends on among the settings: the compile cache's key (compile_cache).
     COMPILE_FIELDS: ClassVar[tuple[str, ...]] = tuple(f for f in CONSTRUCTION_FIELDS if f != "seed") + (
-        "cache_lora_casts", "compile_logprobs", "logprob_chunk", "temperature")
+        "cache_lora_casts", "compile_logprobs", "logprob_chunk", "temperature", "logprob_grad_in_forward")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
