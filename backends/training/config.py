@@ -265,6 +265,19 @@ class TrainerConfig(BaseModel):
         "(`fp8_base`: no C input) and the up projection's input gradient (added into gate's) keep today's order; with "
         "fp8_base on, only the modules left bf16 are reordered. 'auto': off until measured on the H200.",
     )
+    fused_swiglu_lora: Switch = Field(
+        default="auto",
+        description="With memory_efficient_ops and fused_lora: the lean SwiGLU MLP's elementwise kernels take its "
+        "rank-r products over [N, I] on the tiles they hold (Triton, `backends/training/kernels/"
+        "swiglu_lora_triton.py`): forward `h = silu(g) u` and `z_down = h A_down^T` from one kernel (one read of h "
+        "less), backward dL/dg, dL/du and the sums behind dA_down, dB_gate, dB_up from another that never writes h "
+        "(the write of h and the reads of h, dL/dg, dL/du less: ~2.2 GB per layer and 24k-token micro-batch at the "
+        "1.5B shape). Deterministic (per-split partials, no atomics); same function up to rounding. Runs where it can "
+        "(CUDA, triton, bf16/fp16, every rank a power of two >= 16, down not folded by `fold_lora_b`, no fp8 module, "
+        "all LoRA masters trained), else the torch path. The trainer's warm-up runs it, so its JIT compile happens "
+        "there. 'auto': on CUDA; its H200 tokens/s is not yet measured (benchmarks/swiglu_lora_check.py, "
+        "training_fresh_process.py's mb24k-swiglu-* runs).",
+    )
     group_qkv: Switch = Field(
         default="off",
         description="With fused_lora: an attention layer's q, k and v projections, which read the same x, as ONE "
@@ -401,7 +414,7 @@ class TrainerConfig(BaseModel):
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
         "accumulate_lora_grads", "fold_lora_b", "fold_lora_a", "group_qkv", "fp8_base", "fused_rope", "recompute_norm",
-        "low_rank_first")
+        "low_rank_first", "fused_swiglu_lora")
 
     # Switches of the fused LoRA op's work around its products: nothing without fused_lora.
     FUSED_LORA_SWITCHES: ClassVar[tuple[str, ...]] = ("cache_lora_casts", "accumulate_lora_grads")
@@ -427,8 +440,12 @@ class TrainerConfig(BaseModel):
         fold_lora_a act only with fused_lora too, their 'auto' on CUDA, and never with fp8_base; fp8_base and group_qkv
         only with fused_lora, and only when 'on' ('auto' is off until measured), group_qkv never with fp8_base;
         low_rank_first likewise, with fp8_base too (its fp8 modules keep their order in the op itself);
-        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base."""
+        recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base;
+        fused_swiglu_lora only with memory_efficient_ops and fused_lora, its 'auto' on CUDA."""
         mode = getattr(self, switch)
+        if switch == "fused_swiglu_lora" and not (self.enabled("memory_efficient_ops", on_cuda)
+                                                  and self.enabled("fused_lora", on_cuda)):
+            return False
         if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)
                                                and self.enabled("fused_lora", on_cuda)
                                                and not self.enabled("fp8_base", on_cuda)):

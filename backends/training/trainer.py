@@ -215,7 +215,7 @@ class GRPOTrainer:
         # where the quantized base weights run in FP8: the training micro-batches' scope (fp8_scope) only
         self.fp8 = self._fp8_scope(config, fused and peft_path)
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
-                              config.enabled("low_rank_first", on_cuda))
+                              config.enabled("low_rank_first", on_cuda), config.enabled("fused_swiglu_lora", on_cuda))
         # the fused ops that read a norm's output keep the norm's inputs instead (recompute_norm)
         self.recompute_norm = peft_path and config.enabled("recompute_norm", on_cuda)
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,

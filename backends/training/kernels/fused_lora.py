@@ -76,12 +76,15 @@ class LoraRuntime:
     """What the fused ops of one trainer share: ``casts``, the cache of A_c and (sB)_c (None: made per call), and
     ``grads_into_masters``: dL/dA and dL/dB added into the masters' ``.grad`` by the op itself (False: returned to
     autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never); ``low_rank_first``: the
-    rank-r product first and the base GEMM adding into it (module docstring; False: the base product first)."""
+    rank-r product first and the base GEMM adding into it (module docstring; False: the base product first);
+    ``fused_swiglu``: the lean SwiGLU MLP's elementwise kernels take its rank-r reductions over [N, I] where they can
+    (``swiglu_lora_triton``; False: never)."""
 
     casts: CastCache | None = None
     grads_into_masters: bool = False
     fp8: Fp8Scope | None = None
     low_rank_first: bool = False
+    fused_swiglu: bool = False
 
     def fp8_use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
         """The fp8 copies one forward takes (``Fp8Scope.use``), or None: the base product in ``dtype``."""
@@ -128,12 +131,16 @@ def lora_forward(x2, w, bias, a, sb, fp8: Fp8Use | None = None, low_rank_first: 
     """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T (x W^T in FP8 where ``fp8`` is given); with
     ``low_rank_first`` and no ``fp8``, y = (z (sB)^T + b) + x W^T, the base GEMM adding into the rank-r product."""
     z = x2 @ a.t()
+    return lora_output(x2, w, bias, z, sb, fp8, low_rank_first), z
+
+
+def lora_output(x2, w, bias, z, sb, fp8: Fp8Use | None = None, low_rank_first: bool = False):
+    """y = x W^T + b + z (sB)^T given z = x A^T (the order and FP8 use as ``lora_forward``'s)."""
     if low_rank_first and fp8 is None:
         t = z @ sb.t() if bias is None else torch.addmm(bias, z, sb.t())
-        return t.addmm_(x2, w.t()), z
+        return t.addmm_(x2, w.t())
     y = base_product(x2, w, bias, fp8)
-    y.addmm_(z, sb.t())
-    return y, z
+    return y.addmm_(z, sb.t())
 
 
 def lora_input_grad(g, gz, w, a, into=None, fp8: Fp8Use | None = None, low_rank_first: bool = False):

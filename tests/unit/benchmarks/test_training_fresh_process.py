@@ -20,7 +20,8 @@ def test_the_opt_in_runs_turn_their_switch_on_and_nothing_else(run, switch):
 
 @pytest.mark.parametrize("run", ["norm-off+warm-up", "mb24k-norm-off+warm-up", "mb24k-group-qkv+warm-up",
                                  "mb20k+warm-up", "mb24k+warm-up", "mb24k-fold-a+warm-up", "mb24k-b256+warm-up",
-                                 "mb24k-low-rank-first+warm-up"])
+                                 "mb24k-low-rank-first+warm-up", "mb24k-swiglu-off+warm-up",
+                                 "mb24k-swiglu-on+warm-up"])
 def test_the_micro_batch_and_norm_runs_differ_from_the_defaults_in_their_names_only(run):
     expected = {"micro_batch_tokens": {"mb20k": 20480, "mb24k": 24576}[run[:5]]} if run.startswith("mb") else {}
     expected |= {"recompute_norm": "off"} if "norm-off" in run else {}
@@ -28,6 +29,7 @@ def test_the_micro_batch_and_norm_runs_differ_from_the_defaults_in_their_names_o
     expected |= {"fold_lora_a": "on"} if "fold-a" in run else {}
     expected |= {"attention_bucket": 256} if "b256" in run else {}
     expected |= {"low_rank_first": "on"} if "low-rank-first" in run else {}
+    expected |= {"fused_swiglu_lora": run.split("swiglu-")[1][:-len("+warm-up")]} if "swiglu" in run else {}
     assert CONFIGS[run] == expected
     TrainerConfig(**CONFIGS[run])
 
