@@ -23,9 +23,13 @@ Choices:
   atomics. Backward: a grid of column blocks (BN) x row splits (``_SPLIT_ROWS`` rows each); each program writes its
   partial [3, r, BN] into a [splits, 3, r, I] float32 buffer and one ``sum(0)`` adds the splits. Float atomics
   would add in arrival order (other bits each run); the partials give the same bits every run for the same N, at
-  3 r I 4 bytes a split (~1.7 MB at that shape), a rounding of the dtype-c GEMM apart from the unfused result.
-- Block sizes are fixed (BM 64, BN 128, 8 warps; chosen for H100/H200-class SMs, not tuned here): an autotune would
-  run in the trainer's cold start. The trainer's warm-up runs the op, so the JIT compile happens there.
+  3 r I 4 bytes a split (~1.7 MB at that shape). The sums differ from the unfused GEMMs' by summation order (and,
+  where those round their product to c before the cast to float32, by that rounding).
+- Block sizes are fixed, not timed on a GPU (none was at hand): BM 64, BN 64, 8 warps, whose sm_90 builds (rank 16,
+  bf16) spill no registers in either kernel, where BN 128 or 4 warps spill (ptxas -v). An autotune would run in the
+  trainer's cold start; the trainer's warm-up runs the op, so the JIT compile happens there. The row count is not
+  specialized on (``do_not_specialize``: one compile whatever a micro-batch's length), and row offsets are int64
+  (N I passes 2^31 at ~240k tokens).
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
   which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), every rank a power of two >= 16 (``tl.dot``'s
   smallest tile), row-major inputs. Anywhere else the op keeps its torch path (the same function up to rounding).
@@ -39,8 +43,8 @@ import os
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 128, 8
-# rows a backward program sums over: 24,576 tokens x 8960 columns make 12 splits x 70 column blocks = 840 programs
+BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 64, 8
+# rows a backward program sums over: 24,576 tokens x 8960 columns make 12 splits x 140 column blocks = 1680 programs
 _SPLIT_ROWS = 2048
 
 
@@ -53,10 +57,10 @@ def _triton():
     except ImportError:
         return None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def forward_kernel(g_ptr, u_ptr, a_ptr, h_ptr, z_ptr, n_rows, n_cols, stride_g, stride_u, stride_a, stride_h,
                        stride_z, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
         ranks = tl.arange(0, R)
         row_ok = rows < n_rows
         acc = tl.zeros((BM, R), dtype=tl.float32)
@@ -76,7 +80,7 @@ def _triton():
         tl.store(z_ptr + rows[:, None] * stride_z + ranks[None, :], acc.to(z_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def backward_kernel(dh_ptr, g_ptr, u_ptr, zg_ptr, zu_ptr, gzd_ptr, gg_ptr, gu_ptr, part_ptr, n_rows, n_cols,
                         split_rows, stride_dh, stride_g, stride_u, stride_zg, stride_zu, stride_gzd, stride_gg,
                         stride_gu, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
@@ -90,7 +94,7 @@ def _triton():
         first = split * split_rows
         last = tl.minimum(first + split_rows, n_rows)
         for start in range(first, last, BM):
-            rows = start + tl.arange(0, BM)
+            rows = (start + tl.arange(0, BM)).to(tl.int64)
             row_ok = rows < last
             ok = row_ok[:, None] & col_ok[None, :]
             dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
