@@ -82,6 +82,25 @@ class Op:
             m.grad = None
 
 
+@contextlib.contextmanager
+def counted():
+    """{kernel: calls} of ``swiglu_lora_triton``'s two kernels inside the block (the fused op must take them)."""
+    ran, inner = {}, {}
+    for name in ("forward", "backward"):
+        ran[name], inner[name] = 0, getattr(swiglu_lora_triton, name)
+
+        def call(*args, _name=name):
+            ran[_name] += 1
+            return inner[_name](*args)
+
+        setattr(swiglu_lora_triton, name, call)
+    try:
+        yield ran
+    finally:
+        for name, fn in inner.items():
+            setattr(swiglu_lora_triton, name, fn)
+
+
 def errors(ref: tuple, got: tuple) -> dict:
     out = {}
     for name, want, have in zip(("y", "dx", *NAMES), *(ref, got)):
@@ -114,11 +133,6 @@ def main() -> None:
     dy = (torch.randn(tokens, hidden, generator=gen, device=device) * 1e-2).to(dtype)
     ops = {"unfused": Op(False, linears, masters, norm_weight, not args.smoke),
            "fused": Op(True, linears, masters, norm_weight, not args.smoke)}
-    ran = {"forward": 0, "backward": 0}
-    for name in ran:  # count the kernels' calls: the fused op must take them
-        inner = getattr(swiglu_lora_triton, name)
-        setattr(swiglu_lora_triton, name, lambda *a, _i=inner, _n=name: (ran.__setitem__(_n, ran[_n] + 1), _i(*a))[1])
-
     def step(op, timing=None):
         xi = x.clone().requires_grad_()
         with op.runtime.casts.scope():
@@ -135,10 +149,11 @@ def main() -> None:
         return y.detach(), xi.grad
 
     results = {}
-    for name, op in ops.items():
-        op.zero()
-        y, dx = step(op)
-        results[name] = (y, dx, *(m.grad.clone() for m in op.masters))
+    with counted() as ran:
+        for name, op in ops.items():
+            op.zero()
+            y, dx = step(op)
+            results[name] = (y, dx, *(m.grad.clone() for m in op.masters))
     if ran != {"forward": 1, "backward": 1}:
         raise SystemExit(f"the fused op did not take the kernels: {ran}")
     report = {"shape": {"tokens": tokens, "hidden": hidden, "intermediate": inter, "rank": args.rank,

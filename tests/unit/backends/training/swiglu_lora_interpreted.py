@@ -6,7 +6,9 @@ must be set before triton is imported (other tests of a worker may import it thr
 
 import contextlib
 import dataclasses
+import json
 import os
+import sys
 import types
 
 import pytest
@@ -180,3 +182,15 @@ def test_trainer_steps_with_the_kernels_equal_the_steps_without(tiny_model_path,
     runs = {mode: train(tiny_model_path, tmp_path / mode, fused_swiglu_lora=mode, **cfg) for mode in ("off", "on")}
     assert calls["forward"] > 0 and calls["backward"] > 0
     assert_same_training(runs["on"], runs["off"], cfg["learning_rate"], "fused_swiglu_lora")
+
+
+def test_the_gpu_check_script_runs_on_the_cpu_and_finds_the_two_ways_a_rounding_apart(tmp_path, monkeypatch):
+    from benchmarks import swiglu_lora_check
+
+    out = tmp_path / "check.json"
+    monkeypatch.setattr(sys, "argv", ["swiglu_lora_check.py", "--smoke", "--out", str(out)])
+    swiglu_lora_check.main()
+    report = json.loads(out.read_text())
+    assert set(report["errors"]) == {"y", "dx", *swiglu_lora_check.NAMES}
+    assert max(e["max_rel"] for e in report["errors"].values()) < 1e-5
+    assert swiglu_lora_triton.forward.__name__ == "forward"  # its counting wrappers are gone
