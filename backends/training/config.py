@@ -273,10 +273,11 @@ class TrainerConfig(BaseModel):
         "less), backward dL/dg, dL/du and the sums behind dA_down, dB_gate, dB_up from another that never writes h "
         "(the write of h and the reads of h, dL/dg, dL/du less: ~2.2 GB per layer and 24k-token micro-batch at the "
         "1.5B shape). Deterministic (per-split partials, no atomics); same function up to rounding. Runs where it can "
-        "(CUDA, triton, bf16/fp16, every rank a power of two >= 16, down not folded by `fold_lora_b`, no fp8 module, "
-        "all LoRA masters trained), else the torch path. The trainer's warm-up runs it, so its JIT compile happens "
-        "there. 'auto': on CUDA; its H200 tokens/s is not yet measured (`benchmarks/swiglu_lora_check.py`, "
-        "`training_fresh_process.py`'s `mb24k-swiglu-off` and `mb24k-swiglu-on` runs).",
+        "(CUDA, triton, bf16/fp16, one rank for the three, a power of two >= 16, down not folded by `fold_lora_b`, "
+        "no fp8 module, all LoRA masters trained), else the torch path. The trainer's warm-up runs it, so its JIT "
+        "compile happens there. 'auto': on CUDA; its H200 tokens/s is not yet measured "
+        "(`benchmarks/swiglu_lora_check.py`, `training_fresh_process.py`'s `mb24k-swiglu-off` and `mb24k-swiglu-on` "
+        "runs).",
     )
     group_qkv: Switch = Field(
         default="off",

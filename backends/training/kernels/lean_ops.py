@@ -39,8 +39,8 @@ adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product
 
 With ``LoraRuntime.fused_swiglu`` and down not folded by ``fold_lora_b`` (nor any projection fp8), h and z_down come
 from one Triton kernel, and in backward dL/dg, dL/du and the sums behind dA_down, dB_gate and dB_up from another that
-never writes h (``swiglu_lora_triton``, where it can run: CUDA, bf16/fp16, ranks powers of two >= 16, all six masters
-taking gradients); elsewhere the compiled elementwise kernels above.
+never writes h (``swiglu_lora_triton``, where it can run: CUDA, bf16/fp16, one rank, a power of two >= 16, all six
+masters taking gradients); elsewhere the compiled elementwise kernels above.
 
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
 fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.

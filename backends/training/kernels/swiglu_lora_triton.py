@@ -31,8 +31,9 @@ Choices:
   specialized on (``do_not_specialize``: one compile whatever a micro-batch's length), and row offsets are int64
   (N I passes 2^31 at ~240k tokens).
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
-  which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), every rank a power of two >= 16 (``tl.dot``'s
-  smallest tile), row-major inputs. Anywhere else the op keeps its torch path (the same function up to rounding).
+  which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), the three projections of one rank, a power
+  of two >= 16 (``tl.dot``'s smallest tile), row-major inputs. Anywhere else the op keeps its torch path (the same
+  function up to rounding).
 """
 
 from __future__ import annotations
@@ -136,10 +137,11 @@ def _rank_fits(r: int) -> bool:
 
 
 def runs(g: torch.Tensor, u: torch.Tensor, ranks) -> bool:
-    """Whether the kernels can take this call (module docstring): device, triton, dtype, ranks and layout."""
+    """Whether the kernels can take this call (module docstring): device, triton, dtype, ranks (the three
+    projections' one rank: the backward's partials hold three [r, I] sums) and layout."""
     device_ok = g.is_cuda or (g.device.type == "cpu" and _interpreted())
     return (device_ok and g.dtype in DTYPES and u.dtype == g.dtype and g.is_contiguous() and u.is_contiguous()
-            and all(_rank_fits(r) for r in ranks) and _triton() is not None)
+            and len(set(ranks)) == 1 and _rank_fits(ranks[0]) and _triton() is not None)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

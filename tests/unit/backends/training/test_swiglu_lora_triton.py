@@ -33,7 +33,7 @@ def test_runs_only_on_cuda_or_the_interpreter_in_bf16_or_fp16_with_ranks_of_at_l
     g = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not swiglu_lora_triton.runs(g, g, (16, 16, 16))  # the CPU, no interpreter: never imports triton
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for ranks in ((8, 16, 16), (16, 16, 24), (16, 0, 16)):
+    for ranks in ((8, 8, 8), (24, 24, 24), (16, 16, 32), (32, 16, 32)):
         assert not swiglu_lora_triton.runs(g, g, ranks)
     assert not swiglu_lora_triton.runs(g.float(), g.float(), (16, 16, 16))  # float32: tests only (DTYPES)
     assert not swiglu_lora_triton.runs(g.t(), g.t(), (16, 16, 16))  # not row-major
