@@ -90,6 +90,26 @@ def test_backward_is_the_silu_gradients_and_three_sums_over_tokens():
     assert all(torch.equal(a, b) for a, b in zip(again, (grad_g, grad_u, sums)))  # no atomics: the same bits
 
 
+def test_in_float16_the_products_take_the_rounded_tiles():
+    """The interpreter computes float16 (not bfloat16) right: h and the gradients are the torch formulas rounded once
+    (within an ulp), and z and the sums are products of those rounded values (the unrounded ones are ~10 float16 ulps away here)."""
+    g = torch.Generator().manual_seed(4)
+    dh, gate, up = (torch.randn(ROWS, INTER, generator=g).half() for _ in range(3))
+    a = (torch.randn(RANK, INTER, generator=g) * 0.1).half()
+    z_gate, z_up, gz_down = (torch.randn(ROWS, RANK, generator=g).half() for _ in range(3))
+    h, z = swiglu_lora_triton.forward(gate, up, a)
+    exact = F.silu(gate.float()) * up.float()
+    torch.testing.assert_close(h, exact.half(), rtol=1e-3, atol=0)  # an ulp: silu(g) in float32 in another order
+    torch.testing.assert_close(z.float(), (h.float() @ a.float().t()).half().float(), rtol=0, atol=5e-4)
+    grad_g, grad_u, sums = swiglu_lora_triton.backward(dh, gate, up, z_gate, z_up, gz_down)
+    want_g, want_u = lean_ops._silu_mul_grads(dh, gate, up)
+    torch.testing.assert_close(grad_g, want_g, rtol=1e-3, atol=0)  # an ulp: the float32 sums in another order
+    torch.testing.assert_close(grad_u, want_u, rtol=1e-3, atol=0)
+    for got, left, right in ((sums[0], z_gate, grad_g), (sums[1], z_up, grad_u), (sums[2], gz_down, h)):
+        torch.testing.assert_close(got, left.float().t() @ right.float(), rtol=0, atol=2e-4)
+    assert (sums[2] - gz_down.float().t() @ exact).abs().max() > 1e-3
+
+
 def _norm_output(x, weight):
     """A marked RMSNorm output, as the patched norm gives it (``recompute_norm``)."""
     module = types.SimpleNamespace(weight=weight, variance_epsilon=1e-6, _trajflow_compile=False,
