@@ -92,7 +92,8 @@ def test_backward_is_the_silu_gradients_and_three_sums_over_tokens():
 
 def test_in_float16_the_products_take_the_rounded_tiles():
     """The interpreter computes float16 (not bfloat16) right: h and the gradients are the torch formulas rounded once
-    (within an ulp), and z and the sums are products of those rounded values (the unrounded ones are ~10 float16 ulps away here)."""
+    (within an ulp), and z and the sums are products of those rounded values (the products of the unrounded ones are
+    several float16 ulps away here)."""
     g = torch.Generator().manual_seed(4)
     dh, gate, up = (torch.randn(ROWS, INTER, generator=g).half() for _ in range(3))
     a = (torch.randn(RANK, INTER, generator=g) * 0.1).half()
