@@ -131,16 +131,12 @@ def lora_forward(x2, w, bias, a, sb, fp8: Fp8Use | None = None, low_rank_first: 
     """(y, z) for 2-D x: z = x A^T, y = x W^T + b + z (sB)^T (x W^T in FP8 where ``fp8`` is given); with
     ``low_rank_first`` and no ``fp8``, y = (z (sB)^T + b) + x W^T, the base GEMM adding into the rank-r product."""
     z = x2 @ a.t()
-    return lora_output(x2, w, bias, z, sb, fp8, low_rank_first), z
-
-
-def lora_output(x2, w, bias, z, sb, fp8: Fp8Use | None = None, low_rank_first: bool = False):
-    """y = x W^T + b + z (sB)^T given z = x A^T (the order and FP8 use as ``lora_forward``'s)."""
     if low_rank_first and fp8 is None:
         t = z @ sb.t() if bias is None else torch.addmm(bias, z, sb.t())
-        return t.addmm_(x2, w.t())
+        return t.addmm_(x2, w.t()), z
     y = base_product(x2, w, bias, fp8)
-    return y.addmm_(z, sb.t())
+    y.addmm_(z, sb.t())
+    return y, z
 
 
 def lora_input_grad(g, gz, w, a, into=None, fp8: Fp8Use | None = None, low_rank_first: bool = False):

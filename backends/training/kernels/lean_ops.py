@@ -37,10 +37,10 @@ the trainer's training scope, its LoRA terms unchanged.
 With ``LoraRuntime.low_rank_first`` each unfolded bf16 projection takes its rank-r product first and its base GEMM
 adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product, which up's then adds into.
 
-With ``LoraRuntime.fused_swiglu`` and down not folded by ``fold_lora_b`` (nor any projection fp8), h and z_down come
-from one Triton kernel, and in backward dL/dg, dL/du and the sums behind dA_down, dB_gate and dB_up from another that
-never writes h (``swiglu_lora_triton``, where it can run: CUDA, bf16/fp16, one rank, a power of two >= 16, all six
-masters taking gradients); elsewhere the compiled elementwise kernels above.
+With ``LoraRuntime.fused_swiglu`` and down not folded by ``fold_lora_b`` (nor any projection fp8), the backward's
+dL/dg, dL/du and the sums behind dA_down, dB_gate and dB_up come from one Triton kernel that never writes h
+(``swiglu_lora_triton``, where it can run: CUDA, bf16/fp16, one rank, a power of two >= 16, all six masters taking
+gradients); elsewhere, and in the forward, the compiled elementwise kernels above.
 
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
 fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward.
@@ -64,7 +64,6 @@ from backends.training.kernels.fused_lora import (
     compute_dtype,
     lora_forward,
     lora_input_grad,
-    lora_output,
     lora_param_grads,
 )
 from backends.training.kernels.fold_lora_a import folded_a_input_grad, runs_row_folded
@@ -175,22 +174,18 @@ class _LoraSwiGLU(torch.autograd.Function):
             else:
                 g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8, runtime.low_rank_first)
                 u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8, runtime.low_rank_first)
-            # the Triton kernels where they can run: down not folded (its z is h A_down^T, not part of a folded
-            # product), no fp8 module; the backward's also only where all six masters take gradients
-            ctx.swiglu = (runtime.fused_swiglu and not ctx.fold_down and all(f is None for f in ctx.fp8)
-                          and swiglu_lora_triton.runs(g, u, (ga.shape[0], ua.shape[0], da.shape[0])))
-            ctx.swiglu_grads = ctx.swiglu and all(ctx.needs_input_grad[i] for i in _MASTERS)
-            if ctx.swiglu:
-                h, z_down = swiglu_lora_triton.forward(g, u, da)
-                y = lora_output(h, dw, None, z_down, dsb, None, runtime.low_rank_first)
-            elif ctx.fold_down:
-                h = kernel(_silu_mul, compile)(g, u)  # [h | z_down] is not kept: backward recomputes h
+            # the backward's Triton kernel where it can run: down not folded (its z is h A_down^T, not part of a
+            # folded product), no fp8 module, all six masters taking gradients
+            ctx.swiglu_grads = (runtime.fused_swiglu and not ctx.fold_down and all(f is None for f in ctx.fp8)
+                                and all(ctx.needs_input_grad[i] for i in _MASTERS)
+                                and swiglu_lora_triton.runs(g, u, (ga.shape[0], ua.shape[0], da.shape[0])))
+            h = kernel(_silu_mul, compile)(g, u)
+            if ctx.fold_down:  # [h | z_down] is not kept: backward recomputes h
                 hz, z_down = fold_input(h, da)
                 dw = down_fold.extended(dsb)
                 y = folded_product(hz, dw)
                 del hz
             else:
-                h = kernel(_silu_mul, compile)(g, u)
                 y, z_down = lora_forward(h, dw, None, da, dsb, down_fp8, runtime.low_rank_first)
         ctx.save_for_backward(*keep(x2, source), z_pair, g, u, z_gate, z_up, z_down, gw, ga, gsb, uw, ua, usb, dw, da,
                               dsb, a_pair)

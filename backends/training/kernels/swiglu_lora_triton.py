@@ -1,35 +1,36 @@
-"""The LoRA SwiGLU MLP's elementwise kernels with its rank-r reductions over [N, I] fused in (Triton).
+"""The LoRA SwiGLU MLP's backward elementwise kernel with its rank-r reductions over [N, I] fused in (Triton).
 
 In the lean MLP op (``lean_ops._LoraSwiGLU``), with g, u, dh [N, I] in the compute dtype c, h = silu(g) * u, s_g = s of
 gate and so on, A_c the cast of a master A ([r, I] for down):
 
-    forward:   h = (silu(g) * u)_c,   z_down = (h A_down,c^T)_c                                         ``forward``
-    backward:  grad_u = (dh g sig)_c,  grad_g = (dh u sig (1 + g (1 - sig)))_c,   sig = sigmoid(g)
-               S_gate = z_gate^T grad_g,   S_up = z_up^T grad_u,   S_down = gz_down^T h    (float32, [r, I] each)
-               dA_down = S_down,   dB_gate = s_gate S_gate^T,   dB_up = s_up S_up^T                   ``backward``
+    grad_u = (dh g sig)_c,   grad_g = (dh u sig (1 + g (1 - sig)))_c,   sig = sigmoid(g)
+    S_gate = z_gate^T grad_g,   S_up = z_up^T grad_u,   S_down = gz_down^T h_c    (float32, [r, I] each)
+    dA_down = S_down,   dB_gate = s_gate S_gate^T,   dB_up = s_up S_up^T
 
 The elementwise math is float32 inside, each result rounded to c once: the formulas of ``lean_ops._silu_mul`` and
-``_silu_mul_grads`` as torch.compile runs them. Unfused, the forward writes h and the GEMM z_down reads it again;
-the backward writes h once more and three rank-r GEMMs (K = N) read h, grad_g and grad_u. Fused, the products are
-taken on the tiles the elementwise kernel holds in registers: the forward saves one read of h, the backward the write
-of h and the reads of h, grad_g and grad_u (at the Qwen2.5-1.5B shape, I = 8960, bf16, 24,576 tokens: ~2.2 GB per
-layer and micro-batch). dB_down, dA_gate and dA_up read [N, r] or [N, hidden] tensors and stay torch GEMMs.
+``_silu_mul_grads`` as torch.compile runs them. Unfused, the backward writes h and three rank-r GEMMs (K = N) read h,
+grad_g and grad_u again. Fused, the products are taken on the tiles the elementwise kernel holds in registers: the
+write of h and the reads of h, grad_g and grad_u go (at the Qwen2.5-1.5B shape, I = 8960, bf16, 24,576 tokens:
+~1.8 GB per layer and micro-batch). dB_down, dA_gate and dA_up read [N, r] or [N, hidden] tensors and stay torch GEMMs.
+
+Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, ``results/swiglu-lora-sweep-h200.json``): the
+unfused backward's elementwise kernel and three GEMMs take 1.01 ms, this kernel 0.78 ms. The forward stays unfused:
+h = silu(g) u (compiled, 0.34 ms) and z_down = h A_down^T (cuBLAS, 0.11 ms) took 0.45 ms, a kernel doing both, one
+program per row block looping over I, 0.57 ms at its best tiles.
 
 Choices:
 
 - Each product is a ``tl.dot`` of the ROUNDED tile (h, grad_g, grad_u in c), the values the unfused GEMMs read from
   memory, accumulated in float32 (``input_precision='ieee'`` where c is float32: no TF32).
-- Forward: one program per block of BM rows loops over I, so z's [BM, r] accumulator is the program's own: no
-  atomics. Backward: a grid of column blocks (BN) x row splits (``_SPLIT_ROWS`` rows each); each program writes its
-  partial [3, r, BN] into a [splits, 3, r, I] float32 buffer and one ``sum(0)`` adds the splits. Float atomics
-  would add in arrival order (other bits each run); the partials give the same bits every run for the same N, at
-  3 r I 4 bytes a split (~1.7 MB at that shape). The sums differ from the unfused GEMMs' by summation order (and,
-  where those round their product to c before the cast to float32, by that rounding).
-- Block sizes are fixed, not timed on a GPU (none was at hand): BM 64, BN 64, 8 warps, whose sm_90 builds (rank 16,
-  bf16) spill no registers in either kernel, where BN 128 or 4 warps spill (ptxas -v). An autotune would run in the
-  trainer's cold start; the trainer's warm-up runs the op, so the JIT compile happens there. The row count is not
-  specialized on (``do_not_specialize``: one compile whatever a micro-batch's length), and row offsets are int64
-  (N I passes 2^31 at ~240k tokens).
+- A grid of column blocks (BN) x row splits (``_SPLIT_ROWS`` rows each); each program writes its partial [3, r, BN]
+  into a [splits, 3, r, I] float32 buffer and one ``sum(0)`` adds the splits. Float atomics would add in arrival
+  order (other bits each run); the partials give the same bits every run for the same N, at 3 r I 4 bytes a split
+  (~1.7 MB at that shape). The sums differ from the unfused GEMMs' by summation order (and, where those round their
+  product to c before the cast to float32, by that rounding).
+- Tiles fixed at the H200 sweep's fastest (BM 32, BN 64, 4 warps, 3 stages, 1024-row splits; of 72 combinations,
+  0.78-1.6 ms): an autotune would run in the trainer's cold start. The trainer's warm-up runs the op, so the JIT
+  compile happens there. The row count is not specialized on (``do_not_specialize``: one compile whatever a
+  micro-batch's length), and row offsets are int64 (N I passes 2^31 at ~240k tokens).
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
   which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), the three projections of one rank, a power
   of two >= 16 (``tl.dot``'s smallest tile), row-major inputs. Anywhere else the op keeps its torch path (the same
@@ -44,42 +45,19 @@ import os
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 64, 8
-# rows a backward program sums over: 24,576 tokens x 8960 columns make 12 splits x 140 column blocks = 1680 programs
-_SPLIT_ROWS = 2048
+BLOCK_ROWS, BLOCK_COLS, WARPS, STAGES = 32, 64, 4, 3
+# rows a program sums over: 24,576 tokens x 8960 columns make 24 splits x 140 column blocks = 3360 programs
+_SPLIT_ROWS = 1024
 
 
 @functools.cache
 def _triton():
-    """The triton module and the two kernels, or None where triton does not import."""
+    """The triton module and the backward kernel, or None where triton does not import."""
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
-
-    @triton.jit(do_not_specialize=["n_rows"])
-    def forward_kernel(g_ptr, u_ptr, a_ptr, h_ptr, z_ptr, n_rows, n_cols, stride_g, stride_u, stride_a, stride_h,
-                       stride_z, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-        rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-        ranks = tl.arange(0, R)
-        row_ok = rows < n_rows
-        acc = tl.zeros((BM, R), dtype=tl.float32)
-        for start in range(0, n_cols, BN):
-            cols = start + tl.arange(0, BN)
-            col_ok = cols < n_cols
-            ok = row_ok[:, None] & col_ok[None, :]
-            g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=ok)
-            a_t = tl.load(a_ptr + ranks[None, :] * stride_a + cols[:, None], mask=col_ok[:, None], other=0.0)
-            if IEEE:
-                acc = tl.dot(h, a_t, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(h, a_t, acc)
-        tl.store(z_ptr + rows[:, None] * stride_z + ranks[None, :], acc.to(z_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["n_rows"])
     def backward_kernel(dh_ptr, g_ptr, u_ptr, zg_ptr, zu_ptr, gzd_ptr, gg_ptr, gu_ptr, part_ptr, n_rows, n_cols,
@@ -125,7 +103,7 @@ def _triton():
         tl.store(out + R * n_cols, acc_u, mask=keep)
         tl.store(out + 2 * R * n_cols, acc_h, mask=keep)
 
-    return triton, forward_kernel, backward_kernel
+    return triton, backward_kernel
 
 
 def _interpreted() -> bool:
@@ -150,24 +128,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(g: torch.Tensor, u: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, z) = ((silu(g) * u)_c, (h A_c^T)_c) for g, u [N, I] and A_c [r, I] (``runs`` checked by the caller)."""
-    triton, forward_kernel, _ = _triton()
-    n, cols = g.shape
-    r = a.shape[0]
-    a = _rows(a)
-    h = torch.empty_like(g)
-    z = torch.empty(n, r, dtype=g.dtype, device=g.device)
-    forward_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
-        g, u, a, h, z, n, cols, g.stride(0), u.stride(0), a.stride(0), h.stride(0), z.stride(0),
-        R=r, BM=BLOCK_ROWS, BN=BLOCK_COLS, IEEE=g.dtype == torch.float32, num_warps=WARPS)
-    return h, z
-
-
 def backward(dh, g, u, z_gate, z_up, gz_down) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_g, grad_u, sums): the gradients of h = silu(g) * u rounded to c, and sums [3, r, I] float32 =
     [z_gate^T grad_g, z_up^T grad_u, gz_down^T h] (h recomputed, never written). The three [N, r] tensors share r."""
-    triton, _, backward_kernel = _triton()
+    triton, backward_kernel = _triton()
     n, cols = g.shape
     r = z_gate.shape[1]
     z_gate, z_up, gz_down = _rows(z_gate), _rows(z_up), _rows(gz_down)
@@ -178,7 +142,8 @@ def backward(dh, g, u, z_gate, z_up, gz_down) -> tuple[torch.Tensor, torch.Tenso
     backward_kernel[(triton.cdiv(cols, BLOCK_COLS), splits)](
         dh, g, u, z_gate, z_up, gz_down, grad_g, grad_u, partials, n, cols, _SPLIT_ROWS, dh.stride(0), g.stride(0),
         u.stride(0), z_gate.stride(0), z_up.stride(0), gz_down.stride(0), grad_g.stride(0), grad_u.stride(0),
-        R=r, BM=BLOCK_ROWS, BN=BLOCK_COLS, IEEE=g.dtype == torch.float32, num_warps=WARPS)
+        R=r, BM=BLOCK_ROWS, BN=BLOCK_COLS, IEEE=g.dtype == torch.float32, num_warps=WARPS,
+        num_stages=STAGES)
     return grad_g, grad_u, partials.sum(0)
 
 
