@@ -105,6 +105,12 @@ forward, so 3x that forward + backward.
     python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
         --out $OUT/training-fresh-chain-h200.json
 
+    # the LoRA SwiGLU MLP's rank-r reductions fused into its elementwise Triton kernels (trainer.fused_swiglu_lora)
+    # off against on, 24k-token micro-batches
+    RUNS=mb24k-swiglu-off+warm-up:cold-cache,mb24k-swiglu-on+warm-up:cold-cache
+    python benchmarks/training_fresh_process.py --steps 7 --steady-steps 3 --runs $RUNS \\
+        --out $OUT/training-fresh-swiglu-h200.json
+
 ``--smoke`` warms up on the CPU too for the ``+warm-up`` configurations ('auto' would not).
 """
 
@@ -158,6 +164,10 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     # the fused LoRA ops' rank-r product first, the base GEMM adding into it (trainer.low_rank_first, opt-in)
     "mb24k-low-rank-first+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on"},
     "mb24k-low-rank-first-off+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "off"},  # on on CUDA
+    # the LoRA SwiGLU MLP's rank-r reductions inside its elementwise Triton kernels (trainer.fused_swiglu_lora), off and
+    # on at 24k-token micro-batches
+    "mb24k-swiglu-off+warm-up": {"micro_batch_tokens": 24576, "fused_swiglu_lora": "off"},
+    "mb24k-swiglu-on+warm-up": {"micro_batch_tokens": 24576, "fused_swiglu_lora": "on"},
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
     "mb24k-low-rank-first-b256+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on", "attention_bucket": 256},

@@ -267,6 +267,19 @@ class TrainerConfig(BaseModel):
         "micro-batches, one call: 47,605 tokens/s steady against 47,221 without it, steps 1-6 0-1.8% faster, step 0 3% "
         "slower, the same 39.0 GiB; benchmarks/results/training-h200.md); 'on': the CPU too; 'off': never.",
     )
+    fused_swiglu_lora: Switch = Field(
+        default="auto",
+        description="With memory_efficient_ops and fused_lora: the lean SwiGLU MLP's backward elementwise kernel "
+        "takes its rank-r products over [N, I] on the tiles it holds (Triton, `backends/training/kernels/"
+        "swiglu_lora_triton.py`): dL/dg, dL/du and the sums behind dA_down, dB_gate, dB_up from one kernel that never "
+        "writes h (the write of h and the reads of h, dL/dg, dL/du less: ~1.8 GB per layer and 24k-token "
+        "micro-batch at the 1.5B shape; on the H200 0.78 ms against 1.01 ms unfused, "
+        "`benchmarks/swiglu_lora_sweep.py`). Deterministic (per-split partials, no atomics); same function up to "
+        "rounding. Runs where it can (CUDA, triton, bf16/fp16, one rank for the three, a power of two >= 16, down "
+        "not folded by `fold_lora_b`, no fp8 module, all LoRA masters trained), else the torch path. The trainer's "
+        "warm-up runs it, so its JIT compile happens there. 'auto': on CUDA (`training_fresh_process.py`'s "
+        "`mb24k-swiglu-off` and `mb24k-swiglu-on` runs measure the step).",
+    )
     group_qkv: Switch = Field(
         default="off",
         description="With fused_lora: an attention layer's q, k and v projections, which read the same x, as ONE "
@@ -433,7 +446,7 @@ class TrainerConfig(BaseModel):
     CONSTRUCTION_FIELDS: ClassVar[tuple[str, ...]] = IDENTITY_FIELDS + (
         "backend", "dtype", "gradient_checkpointing", "checkpoint_layer_fraction", "memory_efficient_ops", "fused_lora",
         "accumulate_lora_grads", "fold_lora_b", "fold_lora_a", "group_qkv", "fp8_base", "fused_rope", "recompute_norm",
-        "low_rank_first", "chain_input_grads")
+        "low_rank_first", "chain_input_grads", "fused_swiglu_lora")
 
     # What the compiled kernels' code depends on among the settings: the compile cache's key (compile_cache).
     COMPILE_FIELDS: ClassVar[tuple[str, ...]] = tuple(f for f in CONSTRUCTION_FIELDS if f != "seed") + (
@@ -466,8 +479,12 @@ class TrainerConfig(BaseModel):
         low_rank_first only with fused_lora, its 'auto' on CUDA, with fp8_base too (its fp8 modules keep their order
         in the op itself);
         recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base;
-        logprob_grad_in_forward's 'auto' is on on every device."""
+        fused_swiglu_lora only with memory_efficient_ops and fused_lora, its 'auto' on CUDA; logprob_grad_in_forward's
+        'auto' is on on every device."""
         mode = getattr(self, switch)
+        if switch == "fused_swiglu_lora" and not (self.enabled("memory_efficient_ops", on_cuda)
+                                                  and self.enabled("fused_lora", on_cuda)):
+            return False
         if switch == "chain_input_grads" and not self.enabled("recompute_norm", on_cuda):
             return False
         if switch == "recompute_norm" and not (self.enabled("memory_efficient_ops", on_cuda)

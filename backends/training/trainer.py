@@ -231,7 +231,8 @@ class GRPOTrainer:
         # and sum their input gradients in their GEMMs, the norm's backward taking the sum (chain_input_grads)
         self.chain_input_grads = self.recompute_norm and config.enabled("chain_input_grads", on_cuda)
         runtime = LoraRuntime(self.lora_casts, config.enabled("accumulate_lora_grads", on_cuda), self.fp8,
-                              config.enabled("low_rank_first", on_cuda), self.chain_input_grads)
+                              config.enabled("low_rank_first", on_cuda), self.chain_input_grads,
+                              config.enabled("fused_swiglu_lora", on_cuda))
         self.patched_ops = (patch_model(self._lm, compile=on_cuda, fuse_lora=fused, runtime=runtime,
                                         recompute_norm=self.recompute_norm) if lean and peft_path else {})
         self.fused_rope_layers = (fused_rope.patch_model(self._lm, compile=on_cuda)

@@ -80,13 +80,16 @@ class LoraRuntime:
     autograd); ``fp8``: where the base products run in FP8 (``fp8_base``; None: never); ``low_rank_first``: the
     rank-r product first and the base GEMM adding into it (module docstring; False: the base product first);
     ``chain_input_grads``: the ops that read one norm output add their input gradients into one sum in their GEMMs
-    (``chain_input_grads``; False: each returns its own to autograd)."""
+    (``chain_input_grads``; False: each returns its own to autograd); ``fused_swiglu``: the lean SwiGLU MLP's
+    backward elementwise kernel takes its rank-r reductions over [N, I] where it can (``swiglu_lora_triton``; False:
+    never)."""
 
     casts: CastCache | None = None
     grads_into_masters: bool = False
     fp8: Fp8Scope | None = None
     low_rank_first: bool = False
     chain_input_grads: bool = False
+    fused_swiglu: bool = False
 
     def fp8_use(self, fp8: Fp8Weight | None, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Use | None:
         """The fp8 copies one forward takes (``Fp8Scope.use``), or None: the base product in ``dtype``."""

@@ -37,6 +37,11 @@ the trainer's training scope, its LoRA terms unchanged.
 With ``LoraRuntime.low_rank_first`` each unfolded bf16 projection takes its rank-r product first and its base GEMM
 adding into it (``fused_lora``), forward and dL/dh; of dL/dx only gate's product, which up's then adds into.
 
+With ``LoraRuntime.fused_swiglu`` and down not folded by ``fold_lora_b`` (nor any projection fp8), the backward's
+dL/dg, dL/du and the sums behind dA_down, dB_gate and dB_up come from one Triton kernel that never writes h
+(``swiglu_lora_triton``, where it can run: CUDA, bf16/fp16, one rank, a power of two >= 16, all six masters taking
+gradients); elsewhere, and in the forward, the compiled elementwise kernels above.
+
 With ``recompute_norm`` each RMSNorm marks its output with its x and rstd (``recompute_norm.mark``), and the MLP op
 fed by it keeps those (and, folded, its z's) instead of x or xz, recomputing x in backward; the norm's backward adds
 the sum of dL/dn that its chained readers left (``chain_input_grads``) to the gradient autograd hands it.
@@ -49,6 +54,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from backends.training.kernels import swiglu_lora_triton
 from backends.training.kernels.fused_lora import (
     PLAIN,
     LoraRuntime,
@@ -66,6 +72,9 @@ from backends.training.kernels.fold_lora_b import fold_input, folded_input_grad,
 from backends.training.kernels.recompute_norm import (NormSource, keep, mark, normalized, restore, restore_folded,
                                                       shared, source_of)
 from backends.training.kernels.torch_compile import kernel
+
+# the six LoRA masters' positions among _LoraSwiGLU's inputs (needs_input_grad)
+_MASTERS = (8, 9, 11, 12, 14, 15)
 
 
 def _norm(x, weight, eps: float):
@@ -169,6 +178,11 @@ class _LoraSwiGLU(torch.autograd.Function):
             else:
                 g, z_gate = lora_forward(x2, gw, None, ga, gsb, gate_fp8, runtime.low_rank_first)
                 u, z_up = lora_forward(x2, uw, None, ua, usb, up_fp8, runtime.low_rank_first)
+            # the backward's Triton kernel where it can run: down not folded (its z is h A_down^T, not part of a
+            # folded product), no fp8 module, all six masters taking gradients
+            ctx.swiglu_grads = (runtime.fused_swiglu and not ctx.fold_down and all(f is None for f in ctx.fp8)
+                                and all(ctx.needs_input_grad[i] for i in _MASTERS)
+                                and swiglu_lora_triton.runs(g, u, (ga.shape[0], ua.shape[0], da.shape[0])))
             h = kernel(_silu_mul, compile)(g, u)
             if ctx.fold_down:  # [h | z_down] is not kept: backward recomputes h
                 hz, z_down = fold_input(h, da)
@@ -200,23 +214,31 @@ class _LoraSwiGLU(torch.autograd.Function):
         else:
             gz = dy @ dsb
             dh = lora_input_grad(dy, gz, dw, da, fp8=down_fp8, low_rank_first=ctx.low_rank_first)
-        grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
-        del dh
         needs = ctx.needs_input_grad
-        down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[14:16])
-        del h
+        n, r_gate = (gw.shape[1] - a_pair.shape[0], ga.shape[0]) if ctx.fold_pair else (None, None)
+        if ctx.swiglu_grads:  # dA_down, dB_gate, dB_up from the elementwise kernel (swiglu_lora_triton)
+            x2, z_gate, z_up = _gate_up_inputs(ctx, kept, z_pair, z_gate, z_up, g.dtype, n, r_gate)
+            grad_g, grad_u, sums = swiglu_lora_triton.backward(dh, g, u, z_gate, z_up, gz)
+            del dh
+            fused = swiglu_lora_triton.master_grads(sums, (s_gate, s_up), (ctx.masters[0][1], ctx.masters[1][1],
+                                                                           ctx.masters[2][0]), ctx.into_masters)
+            down_grads = (fused[0], lora_param_grads(dy, gz, None, z_down, s_down, ctx.masters[2], ctx.into_masters,
+                                                     (False, True))[1])
+        else:
+            grad_g, grad_u, h = kernel(_silu_mul_grads_and_value, ctx.compile)(dh, g, u)
+            del dh
+            down_grads = lora_param_grads(dy, gz, h, z_down, s_down, ctx.masters[2], ctx.into_masters, needs[14:16])
+            del h
+            x2, z_gate, z_up = _gate_up_inputs(ctx, kept, z_pair, z_gate, z_up, g.dtype, n, r_gate)
+            fused = None
         grad_x = None
         if ctx.fold_pair:
-            n, r_gate = gw.shape[1] - a_pair.shape[0], ga.shape[0]
-            x2, z_pair = restore_folded(kept, z_pair, n, g.dtype, ctx.norm)
-            z_gate, z_up = z_pair[:, :r_gate], z_pair[:, r_gate:]
             if needs[0]:
                 grad_x, gz_pair = folded_input_grad([grad_g, grad_u], [gw, uw], n, a_pair)
                 gz_gate, gz_up = gz_pair[:, :r_gate], gz_pair[:, r_gate:]
             else:
                 gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
         else:
-            x2 = restore(kept, g.dtype, ctx.norm)
             gz_gate, gz_up = grad_g @ gsb, grad_u @ usb
             if needs[0]:
                 # up adds into gate's dL/dx (``into``): only gate's product can take the low-rank term first
@@ -224,10 +246,23 @@ class _LoraSwiGLU(torch.autograd.Function):
                 grad_x = lora_input_grad(grad_u, gz_up, uw, ua, into=grad_x, fp8=up_fp8)
         if grad_x is not None:
             grad_x = as_dtype(grad_x.view(ctx.x_shape), ctx.x_dtype)
+        # with the kernel's sums, each projection's dB is the kernel's and only its dA is a torch product
+        gate_needs, up_needs = (needs[8:10], needs[11:13]) if fused is None else ((True, False), (True, False))
         gate_grads = lora_param_grads(grad_g, gz_gate, x2, z_gate, s_gate, ctx.masters[0], ctx.into_masters,
-                                      needs[8:10])
-        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, needs[11:13])
+                                      gate_needs)
+        up_grads = lora_param_grads(grad_u, gz_up, x2, z_up, s_up, ctx.masters[1], ctx.into_masters, up_needs)
+        if fused is not None:
+            gate_grads, up_grads = (gate_grads[0], fused[1]), (up_grads[0], fused[2])
         return (grad_x, None, None, None, None, None, None, None, *gate_grads, None, *up_grads, None, *down_grads)
+
+
+def _gate_up_inputs(ctx, kept, z_pair, z_gate, z_up, dtype, n, r_gate):
+    """(x2, z_gate, z_up) for gate's and up's backward: x2 restored (``recompute_norm``), and with gate and up folded
+    the z's as slices of z_pair (or of the kept [x | z_gate | z_up]), n its x columns and r_gate gate's rank."""
+    if ctx.fold_pair:
+        x2, z_pair = restore_folded(kept, z_pair, n, dtype, ctx.norm)
+        return x2, z_pair[:, :r_gate], z_pair[:, r_gate:]
+    return restore(kept, dtype, ctx.norm), z_gate, z_up
 
 
 def rms_norm(x, weight, eps, compile: bool = False):

@@ -22,7 +22,8 @@ def test_the_opt_in_runs_turn_their_switch_on_and_nothing_else(run, switch):
                                  "mb20k+warm-up", "mb24k+warm-up", "mb24k-fold-a+warm-up", "mb24k-b256+warm-up",
                                  "mb24k-low-rank-first+warm-up", "mb24k-low-rank-first-off+warm-up",
                                  "mb24k-low-rank-first-b256+warm-up", "mb24k-chain-off+warm-up",
-                                 "mb24k-chain-on+warm-up", "mb24k-head-grad-off+warm-up", "mb24k-head-grad-on+warm-up"])
+                                 "mb24k-chain-on+warm-up", "mb24k-head-grad-off+warm-up", "mb24k-head-grad-on+warm-up",
+                                 "mb24k-swiglu-off+warm-up", "mb24k-swiglu-on+warm-up"])
 def test_the_micro_batch_and_norm_runs_differ_from_the_defaults_in_their_names_only(run):
     expected = {"micro_batch_tokens": {"mb20k": 20480, "mb24k": 24576}[run[:5]]} if run.startswith("mb") else {}
     expected |= {"recompute_norm": "off"} if "norm-off" in run else {}
@@ -32,6 +33,7 @@ def test_the_micro_batch_and_norm_runs_differ_from_the_defaults_in_their_names_o
     expected |= {"low_rank_first": "off" if "low-rank-first-off" in run else "on"} if "low-rank-first" in run else {}
     expected |= {"chain_input_grads": "on" if "chain-on" in run else "off"} if "-chain-" in run else {}
     expected |= {"logprob_grad_in_forward": run.split("-")[3].split("+")[0]} if "head-grad" in run else {}
+    expected |= {"fused_swiglu_lora": run.split("swiglu-")[1][:-len("+warm-up")]} if "swiglu" in run else {}
     assert CONFIGS[run] == expected
     TrainerConfig(**CONFIGS[run])
 
