@@ -334,9 +334,9 @@ class TrainerConfig(BaseModel):
         "input gradients inside their GEMMs instead of returning three to autograd, which adds them in two passes "
         "over [tokens, hidden]: the first backward writes its dL/dn, each later one adds into it with beta = 1, and "
         "the norm's backward takes the sum (`backends/training/kernels/chain_input_grads.py`). Same function up to "
-        "rounding; a reader whose output does not reach the loss adds nothing. 'auto': on CUDA (not measured yet: "
-        "runs `mb24k-chain-on+warm-up` / `mb24k-chain-off+warm-up` of benchmarks/training_fresh_process.py); off "
-        "wherever recompute_norm is.",
+        "rounding; a reader whose output does not reach the loss adds nothing. 'auto': off (on the H200, 24k-token "
+        "micro-batches, one call: 49,489 tokens/s steady with it against 49,545 without, its first steps 0.2-3% "
+        "slower; benchmarks/results/training-h200.md); 'on': wherever recompute_norm is.",
     )
     compile_logprobs: Switch = Field(
         default="auto",
@@ -409,8 +409,11 @@ class TrainerConfig(BaseModel):
         "loss' gradient through the output head in the logprob forward, chunk by chunk while the logits are there "
         "(backends/training/logprob_grad_in_forward.py): the backward no longer recomputes each chunk's [chunk, V] "
         "logits, and dL/dh is kept instead of h (the same size). The same loss, stats and gradients (float32: the "
-        "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on, CUDA and "
-        "CPU alike (one [chunk, V] x H product less per chunk on either; the same numbers).",
+        "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on the CPU "
+        "(where the saved product dominates: 22.8 against 29.0 s for the op at a 151,936-token vocabulary), off on "
+        "CUDA (on the H200, 24k-token micro-batches, one call: 49,489 tokens/s steady with it against 49,541 "
+        "without, its first steps 0-3% slower: the chunk's loss and its autograd, 44 times a micro-batch, cost "
+        "what the product saved; benchmarks/results/training-h200.md).",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,
@@ -479,8 +482,8 @@ class TrainerConfig(BaseModel):
         low_rank_first only with fused_lora, its 'auto' on CUDA, with fp8_base too (its fp8 modules keep their order
         in the op itself);
         recompute_norm only with memory_efficient_ops and fused_lora, its 'auto' on CUDA, never with fp8_base;
-        fused_swiglu_lora only with memory_efficient_ops and fused_lora, its 'auto' on CUDA; logprob_grad_in_forward's
-        'auto' is on on every device."""
+        fused_swiglu_lora only with memory_efficient_ops and fused_lora, its 'auto' on CUDA; chain_input_grads only
+        when 'on' (its 'auto' is off: measured no faster); logprob_grad_in_forward's 'auto' on the CPU only."""
         mode = getattr(self, switch)
         if switch == "fused_swiglu_lora" and not (self.enabled("memory_efficient_ops", on_cuda)
                                                   and self.enabled("fused_lora", on_cuda)):
@@ -502,7 +505,9 @@ class TrainerConfig(BaseModel):
                                                          or self.enabled("fp8_base", on_cuda)):
             return False
         if switch == "logprob_grad_in_forward":
-            return mode != "off"
+            return mode == "on" or (mode == "auto" and not on_cuda)
+        if switch == "chain_input_grads":
+            return mode == "on"
         return mode == "on" or (mode == "auto" and on_cuda)
 
     def micro_batch_budget(self, on_cuda: bool) -> int:

@@ -15,7 +15,8 @@ One ``train_step(groups)`` call is exactly one optimizer step:
    loss, backward (gradients accumulate); nothing waits for the device until the last micro-batch and the gradient
    norm are launched, when the norm and every micro-batch's metrics are read in one transfer
    (tests/unit/backends/training/test_host_syncs.py);
-6. gradient norm (clipped), AdamW step, LR schedule step.
+6. gradient norm (clipped), AdamW step (with CUDA's fused AdamW queued before the host reads the metrics, skipped on
+   the device where the loss or the norm is not finite: ``guarded_step``), LR schedule step.
 
 Each phase is a profiler range (``step_phases``: prepare, one per micro-batch, update), so a profile places every
 kernel and every idle gap of the GPU in one (``benchmarks/profile_gaps.py``).
@@ -66,6 +67,7 @@ from backends.training.compile_cache import ArtifactStore, CompileCache, key_fie
 from backends.training import distributed
 from backends.training.config import TrainerConfig
 from backends.training.draft_verification import verified_greedy
+from backends.training.guarded_step import guards, queue_guarded_step
 from backends.training.kernels.fold_lora_a import fold_model_rows
 from backends.training.kernels.fold_lora_b import fold_model
 from backends.training.kernels.fp8_base import Fp8Scope, available, copies_nbytes, quantize_model
@@ -546,6 +548,12 @@ class GRPOTrainer:
             # one process: the gradient norm (and its clipping) is queued behind the last backward and read with the
             # metrics, so the host waits for the device once; data-parallel sums the gradients over the ranks first
             norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip or math.inf) if world_size == 1 else None
+            lr = self.scheduler.get_last_lr()[0]
+            # a fused optimizer's update is queued too, skipped on the device where the loss or the norm is not
+            # finite (guarded_step): the GPU goes on from the last backward to the update without waiting for the read
+            queued = norm is not None and guards(self.optimizer)
+            if queued:
+                queue_guarded_step(self.optimizer, [res.loss for res, _ in done], norm)
             values, extra = _StepStats.read(done, [] if norm is None else [norm])  # no sync between micro-batches
             bad = next((mb for mb, v in zip(batches, values) if not math.isfinite(v["loss"])), None)
             for (res, _), v in zip(done, values):
@@ -561,8 +569,8 @@ class GRPOTrainer:
             if not math.isfinite(grad_norm):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite gradient norm ({grad_norm}); no optimizer step was taken")
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            if not queued:
+                self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1

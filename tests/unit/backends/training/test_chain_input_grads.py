@@ -159,7 +159,8 @@ def test_a_no_grad_pass_chains_nothing_and_leaves_nothing(tiny_model_path):
 def test_the_switch_acts_only_with_recompute_norm_and_is_baked_in(tiny_model_path):
     assert TrainerConfig().chain_input_grads == "auto"
     auto = TrainerConfig()
-    assert auto.enabled("chain_input_grads", True) and not auto.enabled("chain_input_grads", False)
+    assert not auto.enabled("chain_input_grads", True) and not auto.enabled("chain_input_grads", False)  # opt-in
+    assert TrainerConfig(chain_input_grads="on").enabled("chain_input_grads", True)
     assert TrainerConfig(**CFG, chain_input_grads="on").enabled("chain_input_grads", False)
     assert not TrainerConfig(**dict(CFG, recompute_norm="off"), chain_input_grads="on").enabled("chain_input_grads",
                                                                                                  True)
