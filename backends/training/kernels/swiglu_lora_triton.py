@@ -13,10 +13,11 @@ grad_g and grad_u again. Fused, the products are taken on the tiles the elementw
 write of h and the reads of h, grad_g and grad_u go (at the Qwen2.5-1.5B shape, I = 8960, bf16, 24,576 tokens:
 ~1.8 GB per layer and micro-batch). dB_down, dA_gate and dA_up read [N, r] or [N, hidden] tensors and stay torch GEMMs.
 
-Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, ``results/swiglu-lora-sweep-h200.json``): the
-unfused backward's elementwise kernel and three GEMMs take 1.01 ms, this kernel 0.78 ms. The forward stays unfused:
-h = silu(g) u (compiled, 0.34 ms) and z_down = h A_down^T (cuBLAS, 0.11 ms) took 0.45 ms, a kernel doing both, one
-program per row block looping over I, 0.57 ms at its best tiles.
+Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, two sweeps in two machine leases; the second
+is ``results/swiglu-lora-sweep-h200.json``): the unfused backward's elementwise kernel and three GEMMs take 1.01 /
+1.06 ms, this kernel at the tiles below 0.78 / 0.93 ms (the second sweep's fastest tiles 0.83). The forward stays unfused: h = silu(g) u (compiled) and
+z_down = h A_down^T (cuBLAS) took 0.45 / 0.54 ms, a kernel doing both 0.57 ms (one program per row block looping
+over I) and 0.53 ms (row blocks x column groups, partial z's summed after): not worth a kernel.
 
 Choices:
 
@@ -27,9 +28,10 @@ Choices:
   order (other bits each run); the partials give the same bits every run for the same N, at 3 r I 4 bytes a split
   (~1.7 MB at that shape). The sums differ from the unfused GEMMs' by summation order (and, where those round their
   product to c before the cast to float32, by that rounding).
-- Tiles fixed at the H200 sweep's fastest (BM 32, BN 64, 4 warps, 3 stages, 1024-row splits; of 72 combinations,
-  0.78-1.6 ms): an autotune would run in the trainer's cold start. The trainer's warm-up runs the op, so the JIT
-  compile happens there. The row count is not specialized on (``do_not_specialize``: one compile whatever a
+- Tiles fixed at the first sweep's fastest (BM 32, BN 64, 4 warps, 3 stages, 1024-row splits), the ones the
+  trainer's H200 steps were measured with; in the second sweep BM 64 with 8 warps was 10% faster, which two leases'
+  spread does not separate from these: an autotune would run in the trainer's cold start. The trainer's warm-up
+  runs the op, so the JIT compile happens there. The row count is not specialized on (``do_not_specialize``: one compile whatever a
   micro-batch's length), and row offsets are int64 (N I passes 2^31 at ~240k tokens).
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
   which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), the three projections of one rank, a power
