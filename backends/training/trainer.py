@@ -33,14 +33,14 @@ ops with compiled elementwise kernels, and the logprob chunk math is compiled
 (``TrainerConfig.fused_lora``, ``memory_efficient_ops``, ``compile_logprobs``); the fused ops make their bf16 copies
 of the LoRA weights once per step and add their weight gradients straight into the fp32 ``.grad``
 (``cache_lora_casts``, ``accumulate_lora_grads``), and where a projection's output is wider than its input, fold
-LoRA's B product into the base product (``fold_lora_b``), and keep an RMSNorm's inputs instead of its output
-where they read it (``recompute_norm``), the ops that read one norm output summing their input gradients in their
-GEMMs (``chain_input_grads``). Opt-in, an attention layer's q, k and v run as one LoRA
-product (``group_qkv``), where a projection's input is wider than its output LoRA's A folds into the base
-input-gradient product (``fold_lora_a``), an unfolded LoRA linear's rank-r product runs first with the base GEMM
-adding into it (``low_rank_first``), and the frozen base products of the training forward and backward run as
-FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches (and the
-warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
+LoRA's B product into the base product (``fold_lora_b``), where its input is wider LoRA's A into the base
+input-gradient product (``fold_lora_a``), run an unfolded LoRA linear's rank-r product first with the base GEMM adding
+into it (``low_rank_first``), keep an RMSNorm's inputs instead of its output where they read it (``recompute_norm``),
+and take the LoRA SwiGLU MLP's rank-r sums in its backward elementwise kernel (``fused_swiglu_lora``). Opt-in, an
+attention layer's q, k and v run as one LoRA product (``group_qkv``), the ops that read one norm output sum their input
+gradients in their GEMMs (``chain_input_grads``), and the frozen base products of the training forward and backward
+run as FP8 GEMMs (``fp8_base``): only inside ``fp8_scope``, which the step enters around its training micro-batches
+(and the warm-up), never around the KL passes, ``sequence_logprobs`` or ``greedy_tokens``.
 """
 
 from __future__ import annotations
