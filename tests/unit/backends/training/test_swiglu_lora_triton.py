@@ -16,12 +16,17 @@ from backends.training.trainer import GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[4]
 INTERPRETED = Path(__file__).with_name("swiglu_lora_interpreted.py")
+# where `make venv` puts triton on a CPU machine: a folder of its own, outside the venv's site-packages (Makefile)
+TRITON_FOLDER = Path(sys.prefix) / "triton-interpreter"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (dev dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None and not TRITON_FOLDER.is_dir(),
+                    reason="no triton: `make venv` installs it into .venv/triton-interpreter")
 def test_the_kernels_and_the_op_under_the_triton_interpreter():
-    """TRITON_INTERPRET must be set before triton is imported: a process of its own."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    """TRITON_INTERPRET must be set before triton is imported: a process of its own, with the Triton folder on its
+    path."""
+    path = os.pathsep.join(p for p in (str(TRITON_FOLDER), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETED)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
