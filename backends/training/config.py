@@ -195,11 +195,13 @@ class TrainerConfig(BaseModel):
         default="auto",
         description="Rotate q and k by the rotary embedding in ONE autograd op per attention layer (Llama, Qwen2, "
         "Qwen3, Mistral; backends/training/kernels/fused_rope.py): `q' = q cos + R(q) sin`, `R(x) = cat(-x2, x1)`, in "
-        "float32, rounded once, compiled on CUDA (one more small compile in the warm-up); backward `g cos - R(g sin)`, keeping only cos and sin. Stock transformers runs 5 "
+        "float32, rounded once, compiled on CUDA (one more small compile in the warm-up); backward `g cos - R(g sin)`, "
+        "keeping only cos and sin. Stock transformers runs 5 "
         "elementwise ops per tensor forward and 8 backward (a layer's 50 computing ops forward + backward become 24 on "
         "the CPU, the op counted as one kernel). Same function up to bf16 rounding (bit-identical "
         "in float32). An error at set-up if transformers' apply_rotary_pos_emb changed its signature or formula. "
-        "peft backend only. 'auto': on wherever memory_efficient_ops is; its H200 tokens/s is not yet measured.",
+        "peft backend only. 'auto': on wherever memory_efficient_ops is (on the H200 43,788 tokens/s steady against "
+        "42,433 off in one call, +3.2%; benchmarks/results/training-h200.md).",
     )
     fused_lora: Switch = Field(
         default="auto",
@@ -360,8 +362,9 @@ class TrainerConfig(BaseModel):
         "(`compile-cache/<key>.bin`; backends/training/compile_cache.py): at set-up, before the warm-up, load the "
         "entry made for this torch, Triton, device, dtype, model and kernel settings; after the warm-up (or the "
         "first step without one) save this process's once, where no valid entry exists. A fresh machine's process "
-        "then reads its compiles from the local cache instead of compiling (the H200's cold start was 47.9 s with "
-        "empty local caches, 31.8 s with filled ones; through this cache: not yet measured). A missing, corrupt or "
+        "then reads its compiles from the local cache instead of compiling (on the H200, a fresh process with empty "
+        "local caches: 43.3 s from start to the first step done without the stored entry, 28.4 s with it; another "
+        "lease 50.1 and 31.9 s; benchmarks/results/training-h200.md). A missing, corrupt or "
         "unwritable entry costs only the compile, with a warning. Only where the trainer is given a store (the "
         "flow's runs, LocalBackend). 'auto': on for CUDA, where the kernels are compiled.",
     )
