@@ -24,23 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.training.kernels import lean_ops, swiglu_lora_triton  # noqa: E402
+from benchmarks.cuda_timing import median_ms  # noqa: E402
 
 TOKENS, INTER, RANK = 24576, 8960, 16
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def forward_kernel():
