@@ -413,8 +413,8 @@ class TrainerConfig(BaseModel):
         "(backends/training/logprob_grad_in_forward.py): the backward no longer recomputes each chunk's [chunk, V] "
         "logits, and dL/dh is kept instead of h (the same size). The same loss, stats and gradients (float32: the "
         "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on the CPU "
-        "(where the saved product dominates: 22.8 against 29.0 s for the op at a 151,936-token vocabulary), off on "
-        "CUDA (on the H200, 24k-token micro-batches, one call: 49,489 tokens/s steady with it against 49,541 "
+        "(where the saved product dominates: 5.1 against 6.6 s for the op at a 151,936-token vocabulary, "
+        "benchmarks/results/logprob-head-grad-cpu.json), off on CUDA (on the H200, 24k-token micro-batches, one call: 49,489 tokens/s steady with it against 49,541 "
         "without, its first steps 0-3% slower: the chunk's loss and its autograd, 44 times a micro-batch, cost "
         "what the product saved; benchmarks/results/training-h200.md).",
     )
