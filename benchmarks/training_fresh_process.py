@@ -170,6 +170,7 @@ CONFIGS = {  # name: trainer settings on top of the benchmark's common ones (the
     "mb24k-swiglu-on+warm-up": {"micro_batch_tokens": 24576, "fused_swiglu_lora": "on"},
     # the attention rule's cuDNN rows padded to a multiple of 256
     "mb24k-b256+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 256},
+    "mb24k-b128+warm-up": {"micro_batch_tokens": 24576, "attention_bucket": 128},
     "mb24k-low-rank-first-b256+warm-up": {"micro_batch_tokens": 24576, "low_rank_first": "on", "attention_bucket": 256},
     # the fused LoRA ops' work around their products as before the cast cache and the fp32 grad accumulation
     # (both on by default on CUDA), together and one at a time
@@ -345,7 +346,7 @@ def child(args) -> None:
             table = prof.key_averages()
             rec["profile_counts"] = profile_counts(table)
             rec["profile_gaps"] = profile_gaps.summarise(profile_gaps.trace_events(prof), step_thread_cpu_s=thread_cpu,
-                                                         lora_dim=cfg.lora_rank)
+                                                         lora_dim=cfg.lora_rank, top_kernels=40)
             rec["profile_by_cpu"] = table.table(sort_by="self_cpu_time_total", row_limit=25)
             if cuda:
                 rec["profile_by_cuda"] = table.table(sort_by="self_cuda_time_total", row_limit=25)

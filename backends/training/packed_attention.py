@@ -25,8 +25,12 @@ step 0 (``build_row_plans``: one attention call per length, not a whole-model fo
 the real tokens (positions < n) never attend to the padding after them, and the padded queries' outputs are dropped,
 so their gradient is zero and so is every gradient that flows into the padding (dq of padded queries, dk and dv of
 padded keys, which only padded queries see). The cost, per row and layer: the attention over the padding (at most
-``b - 1`` tokens), one pad copy each of q, k and v in the forward, and in the backward the cut output's gradient
-zero-filled to ``m`` (a fill and a copy). So that a shape maps to ONE plan, a
+``b - 1`` tokens), one copy each of q, k and v in the forward and one of the output's gradient in the backward, each
+with its padding zeroed (``_PadRows``, ``_CutRows``: the padding only, where ``F.pad`` and a slice's backward fill
+all m positions first; and the padded q/k/v gradients reach the ``split``'s cat as views of their first n positions,
+where ``F.pad``'s backward copies each). The padding must be finite, not merely ignored: a padded query's output
+enters the backward's ``rowsum(dO * O)``, so uninitialized memory (a NaN pattern) could reach real dk and dv. So that
+a shape maps to ONE plan, a
 padded row is its own tensor ``[1, H, m, D]`` laid out as q_proj writes it (strides ``(m*H*D, D, H*D, 1)``): no
 stride depends on the micro-batch's length.
 
@@ -226,8 +230,48 @@ def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
             out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
             # [1, m, H, D] -> its n real positions. Cut even where m == n: the gradient reaching SDPA's output is
             # then a fresh [1, m, H, D] in every row, never a view whose strides depend on the micro-batch's length
-            outs.append(out[:, :n] if packed.bucket > 1 else out)
+            outs.append(_CutRows.apply(out, n) if packed.bucket > 1 else out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+class _PadRows(torch.autograd.Function):
+    """x [n, ...] -> [m, ...]: x, then zeros (m >= n). Backward: the gradient's first n positions, a view."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, m: int) -> torch.Tensor:
+        n = x.shape[0]
+        out = x.new_empty((m, *x.shape[1:]))
+        out[:n].copy_(x)
+        out[n:].zero_()
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(0, 0, ctx.n), None
+
+
+class _CutRows(torch.autograd.Function):
+    """out [1, m, ...] -> its first n positions (a view). Backward: a fresh [1, m, ...], the gradient then zeros."""
+
+    @staticmethod
+    def forward(out: torch.Tensor, n: int) -> torch.Tensor:
+        return out.narrow(1, 0, n)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.m = inputs[0].shape[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n = grad.shape[1]
+        full = grad.new_empty((grad.shape[0], ctx.m, *grad.shape[2:]))
+        full[:, :n].copy_(grad)
+        full[:, n:].zero_()
+        return full, None
 
 
 def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[torch.Tensor]:
@@ -237,9 +281,9 @@ def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[
     stride ``m*H*D``, so a padded row's strides depend on m alone (a cuDNN plan is keyed by strides too)."""
     rows = []
     for piece in x.squeeze(0).transpose(0, 1).split(lengths):  # [n, H, D] each; squeeze: see _flash_varlen
-        pad = bucketed(piece.shape[0], bucket) - piece.shape[0]
-        if pad:
-            piece = torch.nn.functional.pad(piece, (0, 0, 0, 0, 0, pad))
+        m = bucketed(piece.shape[0], bucket)
+        if m > piece.shape[0]:
+            piece = _PadRows.apply(piece, m)
         elif bucket > 1:
             piece = piece.contiguous()  # a no-op in q_proj's layout; elsewhere the one layout a plan is keyed by
         rows.append(piece.unsqueeze(0).transpose(1, 2))

@@ -13,9 +13,10 @@ grad_g and grad_u again. Fused, the products are taken on the tiles the elementw
 write of h and the reads of h, grad_g and grad_u go (at the Qwen2.5-1.5B shape, I = 8960, bf16, 24,576 tokens:
 ~1.8 GB per layer and micro-batch). dB_down, dA_gate and dA_up read [N, r] or [N, hidden] tensors and stay torch GEMMs.
 
-Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, two sweeps in two machine leases; the second
-is ``results/swiglu-lora-sweep-h200.json``): the unfused backward's elementwise kernel and three GEMMs take 1.01 /
-1.06 ms, this kernel at the tiles below 0.78 / 0.93 ms (the second sweep's fastest tiles 0.83). The forward stays unfused: h = silu(g) u (compiled) and
+Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, three sweeps in three machine leases; the
+second and third are ``results/swiglu-lora-sweep-h200.json`` and ``-3-``): the unfused backward's elementwise kernel
+and three GEMMs take 1.01 / 1.06 / 1.03 ms, this kernel at each sweep's fastest tiles 0.78 / 0.83 / 0.84 ms (32 x 64
+in the first, the 64 x 64 below in the second and third, where 32 x 64 took 0.93 / 0.86). The forward stays unfused: h = silu(g) u (compiled) and
 z_down = h A_down^T (cuBLAS) took 0.45 / 0.54 ms, a kernel doing both 0.57 ms (one program per row block looping
 over I) and 0.53 ms (row blocks x column groups, partial z's summed after): not worth a kernel.
 
@@ -28,11 +29,12 @@ Choices:
   order (other bits each run); the partials give the same bits every run for the same N, at 3 r I 4 bytes a split
   (~1.7 MB at that shape). The sums differ from the unfused GEMMs' by summation order (and, where those round their
   product to c before the cast to float32, by that rounding).
-- Tiles fixed at the first sweep's fastest (BM 32, BN 64, 4 warps, 3 stages, 1024-row splits), the ones the
-  trainer's H200 steps were measured with; in the second sweep BM 64 with 8 warps was 10% faster, which two leases'
-  spread does not separate from these: an autotune would run in the trainer's cold start. The trainer's warm-up
-  runs the op, so the JIT compile happens there. The row count is not specialized on (``do_not_specialize``: one compile whatever a
-  micro-batch's length), and row offsets are int64 (N I passes 2^31 at ~240k tokens).
+- Tiles: BM 64, BN 64, 8 warps, 3 stages, 2048-row splits, the fastest of the second and third H200 sweeps (0.834
+  and 0.838 ms at 24,576 tokens, against 0.925 and 0.856 for the first sweep's 32 x 64 / 4 warps / 1024-row splits;
+  ``benchmarks/results/swiglu-lora-sweep-h200.json``, ``swiglu-lora-sweep-3-h200.json``); no autotune: it would
+  run in the trainer's cold start. The trainer's warm-up runs the op, so the JIT compile happens there. The row
+  count is not specialized on (``do_not_specialize``: one compile whatever a micro-batch's length), and row offsets
+  are int64 (N I passes 2^31 at ~240k tokens).
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
   which the tests use), triton importable, c in ``DTYPES`` (bf16/fp16), the three projections of one rank, a power
   of two >= 16 (``tl.dot``'s smallest tile), row-major inputs. Anywhere else the op keeps its torch path (the same
@@ -47,9 +49,9 @@ import os
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-BLOCK_ROWS, BLOCK_COLS, WARPS, STAGES = 32, 64, 4, 3
-# rows a program sums over: 24,576 tokens x 8960 columns make 24 splits x 140 column blocks = 3360 programs
-_SPLIT_ROWS = 1024
+BLOCK_ROWS, BLOCK_COLS, WARPS, STAGES = 64, 64, 8, 3
+# rows a program sums over: 24,576 tokens x 8960 columns make 12 splits x 140 column blocks = 1680 programs
+_SPLIT_ROWS = 2048
 
 
 @functools.cache

@@ -17,8 +17,8 @@ import torch
 
 from backends.training.attention_choice import AttentionChoice
 from backends.training.config import TrainerConfig
-from backends.training.packed_attention import (CPU_PATH, PackedAttention, RowSpans, VarlenCall, _split_rows,
-                                               attention_path, bucketed, sdpa_backends, varlen_function)
+from backends.training.packed_attention import (CPU_PATH, PackedAttention, RowSpans, VarlenCall, _CutRows, _PadRows,
+                                               _split_rows, attention_path, bucketed, sdpa_backends, varlen_function)
 from backends.training.packing import make_micro_batch
 from backends.training.token_rows import TrainingRow
 from backends.training.trainer import GRPOTrainer
@@ -243,6 +243,29 @@ def test_padded_rows_have_strides_of_their_own_length():
             assert not row[:, :, n:].any()  # zeros after the row's tokens
             layouts.add((tuple(row.shape), row.stride()))
     assert layouts == {((1, H, m, D), (m * H * D, D, H * D, 1)) for m in (16, 32)}
+
+
+def test_padding_and_cutting_rows_copy_only_what_they_must():
+    """``_PadRows``: the row, then zeros, even in memory that held NaN (a padded query's output enters the backward);
+    its gradient is the padded gradient's first n positions, the same storage (no copy). ``_CutRows``: a view of the
+    first n positions; its gradient is a fresh [1, m, ...], the cut's gradient then zeros. Both the same values as
+    ``F.pad`` and a slice."""
+    x = torch.randn(5, 3, 4, requires_grad=True)
+    for _ in range(3):  # the allocator hands back this NaN-filled block to the new_empty below
+        torch.full((8, 3, 4), float("nan"))
+    padded = _PadRows.apply(x, 8)
+    assert torch.equal(padded, torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 3)))
+    upstream = torch.randn(8, 3, 4)
+    (grad,) = torch.autograd.grad(padded, x, upstream)
+    assert torch.equal(grad, upstream[:5])
+    assert grad.untyped_storage().data_ptr() == upstream.untyped_storage().data_ptr()
+
+    out = torch.randn(1, 8, 3, 4, requires_grad=True)
+    cut = _CutRows.apply(out, 5)
+    assert torch.equal(cut, out[:, :5]) and cut.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    torch.full((1, 8, 3, 4), float("nan"))
+    (grad,) = torch.autograd.grad(cut, out, torch.ones(1, 5, 3, 4))
+    assert torch.equal(grad, torch.cat([torch.ones(1, 5, 3, 4), torch.zeros(1, 3, 3, 4)], dim=1))
 
 
 def test_cudnn_reaches_the_sdpa_call_first_with_its_bucket(tiny_model_path, tool_conversation, sdpa_calls):
