@@ -16,9 +16,10 @@ write of h and the reads of h, grad_g and grad_u go (at the Qwen2.5-1.5B shape, 
 Measured on an H200 at that shape (``benchmarks/swiglu_lora_sweep.py``, three sweeps in three machine leases; the
 second and third are ``results/swiglu-lora-sweep-h200.json`` and ``-3-``): the unfused backward's elementwise kernel
 and three GEMMs take 1.01 / 1.06 / 1.03 ms, this kernel at each sweep's fastest tiles 0.78 / 0.83 / 0.84 ms (32 x 64
-in the first, the 64 x 64 below in the second and third, where 32 x 64 took 0.93 / 0.86). The forward stays unfused: h = silu(g) u (compiled) and
-z_down = h A_down^T (cuBLAS) took 0.45 / 0.54 ms, a kernel doing both 0.57 ms (one program per row block looping
-over I) and 0.53 ms (row blocks x column groups, partial z's summed after): not worth a kernel.
+in the first, the 64 x 64 below in the second and third, where 32 x 64 took 0.93 / 0.86). The forward stays
+unfused: h = silu(g) u (compiled) and z_down = h A_down^T (cuBLAS) took 0.45 / 0.54 ms, a kernel doing both 0.57 ms
+(one program per row block looping over I) and 0.53 ms (row blocks x column groups, partial z's summed after): not
+worth a kernel.
 
 Choices:
 
