@@ -39,7 +39,7 @@ from benchmarks.cuda_timing import median_ms  # noqa: E402
 HEADS, KV_HEADS, DIM, THETA = 12, 2, 128, 1e6  # Qwen2.5-1.5B
 LENGTHS = (8192, 24576)
 SMOKE_LENGTHS, SMOKE_DIM = (5, 21), 16
-SWEEP = [(tokens, warps) for tokens in (8, 16, 32, 64) for warps in (2, 4, 8)]
+SWEEP = [(tokens, warps) for tokens in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8)]
 
 
 def angles(length: int, dim: int, device, dtype):

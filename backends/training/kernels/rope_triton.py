@@ -16,18 +16,24 @@ Qwen2.5-1.5B shape (q [1, 24576, 12, 128], k [1, 24576, 2, 128], bf16), ~4x what
 Choices:
 
 - A program per block of ``BLOCK_TOKENS`` tokens of one sequence (grid: token blocks x batch) loads that block's
-  cos and sin once and loops over q's heads, then k's: one launch for both tensors, cos and sin read once per
-  token instead of once per head. The head loops are unrolled (head counts are constexpr: fixed per model), so the
-  loads of several heads can be in flight together.
+  cos and sin once, then q's heads, then k's, each tensor as ONE [tokens, heads, D/2] tile per half (heads padded to
+  a power of two, masked): one launch for both tensors, cos and sin read once per token instead of once per head,
+  and all of a tensor's loads issued before its first store (in a loop over heads each head's loads would wait for
+  the previous head's stores: the compiler does not move a load above a store it cannot prove disjoint from it, as
+  the sm_90 PTX of that first version showed). k's loads still follow q's stores: k is 1/7 of the bytes at 12 / 2.
 - Inputs are the ``[B, L, H, D]`` views ``fused_rope._FusedRope`` hands its kernels, any strides but a contiguous last
   dim (q may be a slice of a grouped qkv projection's output); cos and sin ``[B or 1, L, 1, D]``, broadcast over
   heads (and over the batch where B is 1). Outputs are new contiguous ``[B, L, H, D]`` tensors: q_proj's layout, the
   one packed attention reads without a copy.
 - D need not be a power of two: each half is a ``next_power_of_2(D / 2)``-wide tile, masked.
-- Offsets are int64 (B L H D passes 2^31 at ~1.4M tokens of q at 12 x 128); the token count and the strides that
-  grow with it are not specialized on (``do_not_specialize``: one compile whatever a micro-batch's length).
-- ``BLOCK_TOKENS`` and ``WARPS`` are guesses until an H200 sweep (``benchmarks/rope_check.py --sweep``); no autotune:
-  it would run in the trainer's cold start.
+- Offsets are int64 (B L H D passes 2^31 at ~1.4M tokens of q at 12 x 128). The token count is not specialized on
+  (``do_not_specialize``: one compile whatever a micro-batch's length); the strides are, since Triton's "divisible by
+  16" for each is what lets a thread load and store 16 bytes at a time (a batch stride not known to divide would
+  make every access of a sequence a 2-byte one: seen in the sm_90 PTX), and q_proj's strides (L H D, H D, D) keep
+  their divisibility at every length.
+- ``BLOCK_TOKENS`` 4 and ``WARPS`` 4 are guesses until an H200 sweep (``benchmarks/rope_check.py --sweep``): q's
+  half-tiles are then 4 x 16 x 64, 32 elements a thread, four 16-byte loads. No autotune: it would run in the
+  trainer's cold start. The trainer's warm-up runs the op, so the JIT compile happens there.
 - ``runs`` says where it can run: CUDA tensors (or CPU ones under the Triton interpreter, ``TRITON_INTERPRET=1``,
   which the tests use), triton importable, q and k of one dtype in ``DTYPES`` (bf16/fp16), cos and sin of that dtype
   or float32, D even, shapes that broadcast as above, a contiguous last dim everywhere. Anywhere else ``fused_rope``
@@ -42,7 +48,7 @@ import os
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-BLOCK_TOKENS, WARPS = 16, 4
+BLOCK_TOKENS, WARPS = 4, 4
 
 
 @functools.cache
@@ -54,39 +60,45 @@ def _triton():
     except ImportError:
         return None
 
-    @triton.jit(do_not_specialize=["n_tokens", "stride_qb", "stride_kb", "stride_cb", "stride_sb"])
+    @triton.jit(do_not_specialize=["n_tokens"])
     def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, n_tokens, stride_qb, stride_ql, stride_qh,
                     stride_kb, stride_kl, stride_kh, stride_cb, stride_cl, stride_sb, stride_sl,
-                    HEADS_Q: tl.constexpr, HEADS_K: tl.constexpr, HALF: tl.constexpr, HALF_TILE: tl.constexpr,
-                    BT: tl.constexpr, BACKWARD: tl.constexpr):
+                    HEADS_Q: tl.constexpr, HEADS_K: tl.constexpr, HEADS_Q_TILE: tl.constexpr,
+                    HEADS_K_TILE: tl.constexpr, HALF: tl.constexpr, HALF_TILE: tl.constexpr, BT: tl.constexpr,
+                    BACKWARD: tl.constexpr):
         b = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        tokens = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         halves = tl.arange(0, HALF_TILE)
-        ok = (rows < n_tokens)[:, None] & (halves < HALF)[None, :]
-        # cos and sin of this block, loaded once for all of q's and k's heads
-        cs = cos_ptr + b * stride_cb + rows[:, None] * stride_cl + halves[None, :]
-        sn = sin_ptr + b * stride_sb + rows[:, None] * stride_sl + halves[None, :]
-        c1 = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
-        s1 = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
-        s2 = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+        token_ok = (tokens < n_tokens)[:, None, None]
+        half_ok = (halves < HALF)[None, None, :]
+        # cos and sin of this block as [tokens, 1, D/2] tiles, loaded once for all of q's and k's heads
+        cs = cos_ptr + b * stride_cb + tokens[:, None, None] * stride_cl + halves[None, None, :]
+        sn = sin_ptr + b * stride_sb + tokens[:, None, None] * stride_sl + halves[None, None, :]
+        c1 = tl.load(cs, mask=token_ok & half_ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=token_ok & half_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sn, mask=token_ok & half_ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF, mask=token_ok & half_ok, other=0.0).to(tl.float32)
         if BACKWARD:  # g' = g cos - R(g sin) is the forward with (s1, s2) -> (-s2, -s1)
             first = s1
             s1 = -s2
             s2 = -first
-        for part in tl.static_range(2):  # q's heads, then k's: one body, its tensor picked at compile time
+        for part in tl.static_range(2):  # q, then k: one body, its tensor picked at compile time
             if part == 0:
                 x_ptr, out_ptr, stride_b, stride_l, stride_h = q_ptr, q_out_ptr, stride_qb, stride_ql, stride_qh
             else:
                 x_ptr, out_ptr, stride_b, stride_l, stride_h = k_ptr, k_out_ptr, stride_kb, stride_kl, stride_kh
-            src = x_ptr + b * stride_b + rows[:, None] * stride_l + halves[None, :]
-            heads = HEADS_Q if part == 0 else HEADS_K
-            dst = out_ptr + (b * n_tokens + rows[:, None]) * (heads * 2 * HALF) + halves[None, :]
-            for h in tl.static_range(HEADS_Q if part == 0 else HEADS_K):  # unrolled: a constexpr count
-                x1 = tl.load(src + h * stride_h, mask=ok, other=0.0).to(tl.float32)
-                x2 = tl.load(src + h * stride_h + HALF, mask=ok, other=0.0).to(tl.float32)
-                tl.store(dst + h * 2 * HALF, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=ok)
-                tl.store(dst + h * 2 * HALF + HALF, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=ok)
+            heads = tl.arange(0, HEADS_Q_TILE if part == 0 else HEADS_K_TILE)
+            count = HEADS_Q if part == 0 else HEADS_K
+            ok = token_ok & (heads < count)[None, :, None] & half_ok
+            src = (x_ptr + b * stride_b + tokens[:, None, None] * stride_l + heads[None, :, None] * stride_h
+                   + halves[None, None, :])
+            # the output: contiguous [B, L, heads, D]
+            dst = out_ptr + ((b * n_tokens + tokens[:, None, None]) * count + heads[None, :, None]) * (2 * HALF)
+            dst += halves[None, None, :]
+            x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dst, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=ok)
 
     return triton, rope_kernel
 
@@ -122,6 +134,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k') (q cos - R(q sin), k cos - R(k sin)); new contiguous [B, L, H, D] tensors. Where ``runs`` holds."""
     triton, rope_kernel = _triton()
     batch, tokens, heads_q, dim = q.shape
+    heads_k = k.shape[2]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     # a cos of one sequence broadcast over the batch: batch stride 0
@@ -130,7 +143,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return q_out, k_out
     rope_kernel[(triton.cdiv(tokens, BLOCK_TOKENS), batch)](
         q, k, cos, sin, q_out, k_out, tokens, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), HEADS_Q=heads_q, HEADS_K=k.shape[2],
-        HALF=dim // 2, HALF_TILE=triton.next_power_of_2(dim // 2), BT=BLOCK_TOKENS, BACKWARD=backward,
-        num_warps=WARPS)
+        k.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), HEADS_Q=heads_q, HEADS_K=heads_k,
+        HEADS_Q_TILE=triton.next_power_of_2(heads_q), HEADS_K_TILE=triton.next_power_of_2(heads_k), HALF=dim // 2,
+        HALF_TILE=triton.next_power_of_2(dim // 2), BT=BLOCK_TOKENS, BACKWARD=backward, num_warps=WARPS)
     return q_out, k_out
