@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.training.kernels import fused_rope, rope_triton  # noqa: E402
-from backends.training.kernels.torch_compile import kernel  # noqa: E402
+from backends.training.kernels.torch_compile import failure, kernel  # noqa: E402
 from benchmarks.cuda_timing import median_ms  # noqa: E402
 
 HEADS, KV_HEADS, DIM, THETA = 12, 2, 128, 1e6  # Qwen2.5-1.5B
@@ -132,6 +132,8 @@ def main() -> None:
                         "dtype": str(dtype)},
               "kernel": {"block_tokens": rope_triton.BLOCK_TOKENS, "warps": rope_triton.WARPS},
               "lengths": [one_length(n, args, device, dtype) for n in (SMOKE_LENGTHS if args.smoke else args.lengths)]}
+    # torch_compile falls back to eager (once, with a warning) where compiling fails: then (a) is not the compiled path
+    report["compile_failure"] = failure()
     if device.type == "cuda":
         import triton
 
