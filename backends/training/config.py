@@ -195,7 +195,8 @@ class TrainerConfig(BaseModel):
         default="auto",
         description="Rotate q and k by the rotary embedding in ONE autograd op per attention layer (Llama, Qwen2, "
         "Qwen3, Mistral; backends/training/kernels/fused_rope.py): `q' = q cos + R(q) sin`, `R(x) = cat(-x2, x1)`, in "
-        "float32, rounded once, compiled on CUDA (one more small compile in the warm-up); backward `g cos - R(g sin)`, "
+        "float32, rounded once, on CUDA a Triton kernel (kernels/rope_triton.py: one launch for q and k each way, JIT-"
+        "compiled in the warm-up); backward `g cos - R(g sin)`, "
         "keeping only cos and sin. Stock transformers runs 5 "
         "elementwise ops per tensor forward and 8 backward (a layer's 50 computing ops forward + backward become 24 on "
         "the CPU, the op counted as one kernel). Same function up to bf16 rounding (bit-identical "
