@@ -196,7 +196,8 @@ class TrainerConfig(BaseModel):
         description="Rotate q and k by the rotary embedding in ONE autograd op per attention layer (Llama, Qwen2, "
         "Qwen3, Mistral; backends/training/kernels/fused_rope.py): `q' = q cos + R(q) sin`, `R(x) = cat(-x2, x1)`, in "
         "float32, rounded once, on CUDA a Triton kernel (kernels/rope_triton.py: one launch for q and k each way, JIT-"
-        "compiled in the warm-up); backward `g cos - R(g sin)`, "
+        "compiled in the warm-up; on the H200 0.093 ms each way against torch.compile's 0.219 / 0.237 ms, the same "
+        "bits, and 50,030 / 50,205 tokens/s steady against 49,011 in one call); backward `g cos - R(g sin)`, "
         "keeping only cos and sin. Stock transformers runs 5 "
         "elementwise ops per tensor forward and 8 backward (a layer's 50 computing ops forward + backward become 24 on "
         "the CPU, the op counted as one kernel). Same function up to bf16 rounding (bit-identical "
@@ -415,8 +416,8 @@ class TrainerConfig(BaseModel):
         "logits, and dL/dh is kept instead of h (the same size). The same loss, stats and gradients (float32: the "
         "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on the CPU "
         "(where the saved product dominates: 5.1 against 6.6 s for the op at a 151,936-token vocabulary, "
-        "benchmarks/results/logprob-head-grad-cpu.json), off on CUDA (on the H200, 24k-token micro-batches, one call: 49,489 tokens/s steady with it against 49,541 "
-        "without, its first steps 0-3% slower: the chunk's loss and its autograd, 44 times a micro-batch, cost "
+        "benchmarks/results/logprob-head-grad-cpu.json), off on CUDA (on the H200, 24k-token micro-batches, one "
+        "call: 49,489 tokens/s steady with it against 49,541 without, its first steps 0-3% slower: the chunk's loss and its autograd, 44 times a micro-batch, cost "
         "what the product saved; benchmarks/results/training-h200.md).",
     )
     logprob_chunk: int = Field(
