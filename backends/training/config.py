@@ -56,7 +56,8 @@ class TrainerConfig(BaseModel):
         description="AdamW (beta1, beta2). A lower beta2 (0.99 rather than 0.999) adapts faster to the "
         "non-stationary RL gradient at the cost of noisier second-moment estimates.",
     )
-    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon; larger damps updates of rarely-used weights.")
+    adam_eps: float = Field(default=1e-8, gt=0,
+                            description="AdamW epsilon; larger damps updates of rarely-used weights.")
     grad_clip: float | None = Field(
         default=1.0, gt=0,
         description="Clip the global gradient norm to this value (None: no clipping, norm still reported). "
@@ -88,8 +89,14 @@ class TrainerConfig(BaseModel):
     )
 
     # --- LoRA -----------------------------------------------------------------------------------
-    lora_rank: int = Field(default=8, ge=1, le=512, description="LoRA rank r (at most 512, the largest vLLM and the embedded engine serve). Higher can learn more per step but costs memory and compute and overfits small reward signals more easily.")
-    lora_alpha: float = Field(default=16, gt=0, description="LoRA alpha; the update is scaled by alpha/r. Changing r without alpha changes the effective step size.")
+    lora_rank: int = Field(
+        default=8, ge=1, le=512,
+        description="LoRA rank r (at most 512, the largest vLLM and the embedded engine serve). Higher can learn more "
+        "per step but costs memory and compute and overfits small reward signals more easily.")
+    lora_alpha: float = Field(
+        default=16, gt=0,
+        description="LoRA alpha; the update is scaled by alpha/r. Changing r without alpha changes the effective step "
+        "size.")
     lora_dropout: float = Field(
         default=0.0, ge=0, lt=1,
         description="Dropout on the LoRA input. >0 regularises but makes the trainer's logprobs stochastic "
@@ -417,8 +424,8 @@ class TrainerConfig(BaseModel):
         "same bits on the CPU tests). gspo keeps the recomputing backward whatever this says. 'auto': on the CPU "
         "(where the saved product dominates: 5.1 against 6.6 s for the op at a 151,936-token vocabulary, "
         "benchmarks/results/logprob-head-grad-cpu.json), off on CUDA (on the H200, 24k-token micro-batches, one "
-        "call: 49,489 tokens/s steady with it against 49,541 without, its first steps 0-3% slower: the chunk's loss and its autograd, 44 times a micro-batch, cost "
-        "what the product saved; benchmarks/results/training-h200.md).",
+        "call: 49,489 tokens/s steady with it against 49,541 without, its first steps 0-3% slower: the chunk's loss "
+        "and its autograd, 44 times a micro-batch, cost what the product saved; benchmarks/results/training-h200.md).",
     )
     logprob_chunk: int = Field(
         default=1024, ge=1,
