@@ -12,7 +12,7 @@ run: $(STAMP)
 	$(BIN)/trajflow train configs/default.yaml
 
 # Two workers (one per core of the CI machine, at most four elsewhere), whole files per worker: the heavy tests mostly
-# wait on processes they start (2 cores: 1730 tests in 475-550 s; one file after another, 1233 tests took 757 s).
+# wait on processes they start (2 cores: 1734 tests in 390-590 s; one file after another, 1233 tests took 757 s).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=10
 
