@@ -3,9 +3,9 @@
 trainer benchmark's rows, at several buckets, forward + backward, one decoder layer at the Qwen2.5-1.5B attention
 shape (12 query heads, 2 key/value heads, head dim 128, bf16).
 
-Why: padding to b adds about 2b/n to a row's causal attention FLOPs; on the benchmark's rows (2k-16k tokens) b = 512
-adds 5.4% to the step's attention (~36% of the step's GPU time), b = 128 1.2%. A finer bucket means more cuDNN plans
-to build (the warm-up builds one forward + backward per multiple of b up to the micro-batch budget).
+Why: padding a row of n tokens by p < b adds about 2p/n to its causal attention FLOPs; on the benchmark's rows (2k-16k
+tokens) b = 512 adds 5.4% to the step's attention (~36% of the step's GPU time), b = 128 1.2%. A finer bucket means
+more cuDNN plans to build (the warm-up builds one forward + backward per multiple of b up to the micro-batch budget).
 
 - ``ms_per_step``: per bucket, the sum over a step's micro-batches (the trainer's ``plan_bins`` at 24,576 tokens) of
   the median of ``--repeat`` timed forward + backward calls, times 28 layers, averaged over steps 4-9 of
@@ -14,7 +14,16 @@ to build (the warm-up builds one forward + backward per multiple of b up to the 
   coarser ones before it (512 first, so its plans are built cold), per new length; ``warm_up_plans_s`` that times the
   bucket's full count (what its warm-up would pay).
 
+- ``--profile``: instead, the CUDA kernels (name, count, ms) of one profiled forward + backward of step 4's first
+  micro-batch at bucket 512 and at the rows' own lengths: what the padding adds beside the attention kernels.
+
+Result on the H200 (``results/attention-bucket-h200.json``): 957 / 928 / 919 / 928 ms a step at 512 / 256 / 128 / 64,
+835 unpadded, warm-up plans 9.0 / 14.0 / 24.6 / 54.7 s. Each call is timed alone, so part of the gap to the unpadded
+rows is the host launching the padding's ops (``--profile``, ``-kernels-h200.json``: 6.67 against 6.28 ms of kernels
+for that micro-batch's layer; 6.56 after the padding was written once, ``-kernels-padfix-h200.json``).
+
     python3 benchmarks/attention_bucket_check.py --out $OUT/attention-bucket-h200.json
+    python3 benchmarks/attention_bucket_check.py --profile --out $OUT/attention-bucket-kernels-h200.json
 """
 
 from __future__ import annotations
