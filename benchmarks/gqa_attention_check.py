@@ -6,6 +6,10 @@ an H200's 132 SMs for rows up to ~8k tokens at 128-token blocks; expanded, 12 he
 of 6). Kept only if it pays: the expanded K/V would also be what SDPA saves for backward (+10 x 128 x 2 x 2 bytes per
 token and layer) unless re-expanded in backward.
 
+Result on the H200 (``results/gqa-attention-h200.json``, cuDNN 9.19): expanded is slower at every length, forward +
+backward 0.49 against 0.40 ms at 1k tokens, 1.77 against 1.62 at 8k, 5.50 against 5.09 at 16k; FlashAttention's
+backend 1.8-1.9x cuDNN's at 8k-16k either way. The trainer keeps cuDNN with ``enable_gqa``.
+
     python3 benchmarks/gqa_attention_check.py --out $OUT/gqa-attention-h200.json
 """
 
