@@ -48,9 +48,10 @@ Choices:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from backends.training.kernels.triton_device import launchable
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 BLOCK_TOKENS, WARPS = 4, 4
@@ -108,10 +109,6 @@ def _triton():
     return triton, rope_kernel
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _fits(x: torch.Tensor, batch: int, tokens: int, dim: int) -> bool:
     """[batch, tokens, H, dim] with a contiguous last dim."""
     return x.dim() == 4 and x.shape[0] == batch and x.shape[1] == tokens and x.shape[3] == dim and x.stride(3) == 1
@@ -126,7 +123,7 @@ def _angles_fit(t: torch.Tensor, q: torch.Tensor) -> bool:
 
 def runs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``rotate`` can take this call (module docstring): device, triton, dtypes, D even, shapes, strides."""
-    device_ok = q.is_cuda or (q.device.type == "cpu" and _interpreted())
+    device_ok = launchable(q)
     if not (device_ok and q.dim() == 4 and q.dtype in DTYPES and k.dtype == q.dtype and k.device == q.device):
         return False
     batch, tokens, _, dim = q.shape

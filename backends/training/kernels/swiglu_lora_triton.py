@@ -45,9 +45,10 @@ Choices:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from backends.training.kernels.triton_device import launchable
 
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 BLOCK_ROWS, BLOCK_COLS, WARPS, STAGES = 64, 64, 8, 3
@@ -111,10 +112,6 @@ def _triton():
     return triton, backward_kernel
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _rank_fits(r: int) -> bool:
     return r >= 16 and r & (r - 1) == 0
 
@@ -122,7 +119,7 @@ def _rank_fits(r: int) -> bool:
 def runs(g: torch.Tensor, u: torch.Tensor, ranks) -> bool:
     """Whether the kernels can take this call (module docstring): device, triton, dtype, ranks (the three
     projections' one rank: the backward's partials hold three [r, I] sums) and layout."""
-    device_ok = g.is_cuda or (g.device.type == "cpu" and _interpreted())
+    device_ok = launchable(g)
     return (device_ok and g.dtype in DTYPES and u.dtype == g.dtype and g.is_contiguous() and u.is_contiguous()
             and len(set(ranks)) == 1 and _rank_fits(ranks[0]) and _triton() is not None)
 
