@@ -1,34 +1,21 @@
 """The Triton rotary kernel (``rope_triton``): where it runs, and (in a subprocess under the Triton interpreter,
 ``rope_interpreted.py``) the kernel and ``fused_rope``'s op with it against the eager formulas and transformers."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from backends.training.kernels import fused_rope, rope_triton
+from tests.triton_interpreter import assert_passes_interpreted, needs_triton
 
-REPO = Path(__file__).resolve().parents[4]
 INTERPRETED = Path(__file__).with_name("rope_interpreted.py")
-# where `make venv` puts triton on a CPU machine: a folder of its own, outside the venv's site-packages (Makefile)
-TRITON_FOLDER = Path(sys.prefix) / "triton-interpreter"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None and not TRITON_FOLDER.is_dir(),
-                    reason="no triton: `make venv` installs it into .venv/triton-interpreter")
+@needs_triton
 def test_the_kernel_and_the_op_under_the_triton_interpreter():
-    """TRITON_INTERPRET must be set before triton is imported: a process of its own, with the Triton folder on its
-    path."""
-    path = os.pathsep.join(p for p in (str(TRITON_FOLDER), str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETED)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout
+    """TRITON_INTERPRET must be set before triton is imported: a process of its own (tests/triton_interpreter.py)."""
+    assert_passes_interpreted(INTERPRETED, timeout=120)
 
 
 def _qk_cos_sin(dtype=torch.bfloat16):

@@ -1,10 +1,6 @@
 """The LoRA SwiGLU MLP's Triton kernels (``swiglu_lora_triton``): where they run, the switch, and (in a subprocess
 under the Triton interpreter, ``swiglu_lora_interpreted.py``) the kernels and the op with them against torch."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,24 +9,15 @@ import torch
 from backends.training.config import TrainerConfig
 from backends.training.kernels import swiglu_lora_triton
 from backends.training.trainer import GRPOTrainer
+from tests.triton_interpreter import assert_passes_interpreted, needs_triton
 
-REPO = Path(__file__).resolve().parents[4]
 INTERPRETED = Path(__file__).with_name("swiglu_lora_interpreted.py")
-# where `make venv` puts triton on a CPU machine: a folder of its own, outside the venv's site-packages (Makefile)
-TRITON_FOLDER = Path(sys.prefix) / "triton-interpreter"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None and not TRITON_FOLDER.is_dir(),
-                    reason="no triton: `make venv` installs it into .venv/triton-interpreter")
+@needs_triton
 def test_the_kernels_and_the_op_under_the_triton_interpreter():
-    """TRITON_INTERPRET must be set before triton is imported: a process of its own, with the Triton folder on its
-    path."""
-    path = os.pathsep.join(p for p in (str(TRITON_FOLDER), str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETED)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout
+    """TRITON_INTERPRET must be set before triton is imported: a process of its own (tests/triton_interpreter.py)."""
+    assert_passes_interpreted(INTERPRETED, timeout=280)
 
 
 def test_runs_only_on_cuda_or_the_interpreter_in_bf16_or_fp16_with_ranks_of_at_least_16(monkeypatch):
