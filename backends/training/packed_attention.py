@@ -234,16 +234,21 @@ def _varlen_attention(module, query, key, value, attention_mask, **kwargs):
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
+def _zero_padded(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
+    """A new tensor of x's shape but m positions along ``dim``: x, then zeros (only the padding is filled)."""
+    n = x.shape[dim]
+    out = x.new_empty((*x.shape[:dim], m, *x.shape[dim + 1:]))
+    out.narrow(dim, 0, n).copy_(x)
+    out.narrow(dim, n, m - n).zero_()
+    return out
+
+
 class _PadRows(torch.autograd.Function):
     """x [n, ...] -> [m, ...]: x, then zeros (m >= n). Backward: the gradient's first n positions, a view."""
 
     @staticmethod
     def forward(x: torch.Tensor, m: int) -> torch.Tensor:
-        n = x.shape[0]
-        out = x.new_empty((m, *x.shape[1:]))
-        out[:n].copy_(x)
-        out[n:].zero_()
-        return out
+        return _zero_padded(x, 0, m)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -267,11 +272,7 @@ class _CutRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        n = grad.shape[1]
-        full = grad.new_empty((grad.shape[0], ctx.m, *grad.shape[2:]))
-        full[:, :n].copy_(grad)
-        full[:, n:].zero_()
-        return full, None
+        return _zero_padded(grad, 1, ctx.m), None
 
 
 def _split_rows(x: torch.Tensor, lengths: tuple[int, ...], bucket: int) -> list[torch.Tensor]:
